@@ -1,0 +1,161 @@
+//! The embedded default: TPC-H on a local cluster, NDP on and off side by side.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use datafusion::common::{exec_err, Result};
+use sieve_compute::{connect_session, SieveSession};
+use sieve_format::{generate_tpch, is_generated, SliceLayout};
+
+use crate::cluster::EmbeddedCluster;
+use crate::compare::{rows_as_text, run};
+use crate::queries::{is_ordered, TPCH_QUERIES};
+
+/// What the demo runs.
+#[derive(Debug, Clone)]
+pub struct DemoOptions {
+    /// TPC-H scale factor.
+    pub scale_factor: f64,
+    /// Storage nodes in the embedded cluster.
+    pub nodes: usize,
+    /// Timed runs per query and mode (the median is reported).
+    pub runs: usize,
+    /// Where generated data lives (`DIR/tpch-sfX`).
+    pub data_directory: PathBuf,
+    /// Queries to run (`q1`..`q22`); empty means all.
+    pub queries: Vec<String>,
+}
+
+/// One query's measurements.
+#[derive(Debug, Clone)]
+pub struct QueryReport {
+    /// Query name.
+    pub name: String,
+    /// Rows returned.
+    pub rows: usize,
+    /// Median wall time with NDP on.
+    pub time_on: Duration,
+    /// Median wall time with NDP off.
+    pub time_off: Duration,
+    /// Bytes shipped storage-to-compute with NDP on (one run).
+    pub bytes_on: u64,
+    /// Bytes shipped with NDP off (one run).
+    pub bytes_off: u64,
+}
+
+/// Generate the data set if missing and return its directory.
+pub fn ensure_data(options: &DemoOptions) -> Result<PathBuf> {
+    let root = options.data_directory.join(format!("tpch-sf{}", options.scale_factor));
+    if !is_generated(&root) {
+        eprintln!("generating TPC-H SF {} into {} ...", options.scale_factor, root.display());
+        let started = Instant::now();
+        generate_tpch(&root, options.scale_factor, options.nodes, &SliceLayout::default())?;
+        eprintln!("generated in {:.1}s", started.elapsed().as_secs_f64());
+    }
+    Ok(root)
+}
+
+fn median(mut times: Vec<Duration>) -> Duration {
+    times.sort();
+    times[times.len() / 2]
+}
+
+async fn timed(session: &SieveSession, sql: &str) -> Result<(Duration, u64, Vec<arrow::record_batch::RecordBatch>)> {
+    let before = session.traffic.snapshot();
+    let started = Instant::now();
+    let batches = run(&session.context, sql).await?;
+    let elapsed = started.elapsed();
+    let shipped = session.traffic.snapshot().since(&before).bytes_shipped();
+    Ok((elapsed, shipped, batches))
+}
+
+/// Run the demo and return one report per query. Fails if NDP on and off
+/// ever disagree on a result.
+pub async fn run_demo(options: &DemoOptions) -> Result<Vec<QueryReport>> {
+    let root = ensure_data(options)?;
+    let cluster = EmbeddedCluster::start(&root, options.nodes).await?;
+    let session = connect_session(&cluster.urls()).await?;
+    let mut reports = Vec::new();
+    for (name, sql) in TPCH_QUERIES {
+        if !options.queries.is_empty() && !options.queries.iter().any(|wanted| wanted == name) {
+            continue;
+        }
+        let (mut times_on, mut times_off) = (Vec::new(), Vec::new());
+        let (mut bytes_on, mut bytes_off, mut rows) = (0, 0, 0);
+        for _ in 0..options.runs.max(1) {
+            session.set_ndp(true)?;
+            let (time, bytes, on) = timed(&session, sql).await?;
+            times_on.push(time);
+            bytes_on = bytes;
+            session.set_ndp(false)?;
+            let (time, bytes, off) = timed(&session, sql).await?;
+            times_off.push(time);
+            bytes_off = bytes;
+            let ordered = is_ordered(sql);
+            if rows_as_text(&on, !ordered)? != rows_as_text(&off, !ordered)? {
+                return exec_err!("{name}: NDP on and NDP off returned different results");
+            }
+            rows = on.iter().map(|batch| batch.num_rows()).sum();
+        }
+        let report = QueryReport {
+            name: name.to_string(),
+            rows,
+            time_on: median(times_on),
+            time_off: median(times_off),
+            bytes_on,
+            bytes_off,
+        };
+        eprintln!("{}", format_row(&report));
+        reports.push(report);
+    }
+    session.set_ndp(true)?;
+    Ok(reports)
+}
+
+fn megabytes(bytes: u64) -> f64 {
+    bytes as f64 / 1_000_000.0
+}
+
+/// Header of the per-query table.
+pub fn format_header() -> String {
+    format!(
+        "| {:<5} | {:>6} | {:>9} | {:>9} | {:>7} | {:>11} | {:>11} | {:>8} |\n|{}|",
+        "query", "rows", "on ms", "off ms", "off/on", "shipped on", "shipped off", "on/off",
+        "-------|--------|-----------|-----------|---------|-------------|-------------|----------"
+    )
+}
+
+/// One row of the per-query table.
+pub fn format_row(report: &QueryReport) -> String {
+    format!(
+        "| {:<5} | {:>6} | {:>9.1} | {:>9.1} | {:>6.2}x | {:>8.2} MB | {:>8.2} MB | {:>7.1}% |",
+        report.name,
+        report.rows,
+        report.time_on.as_secs_f64() * 1e3,
+        report.time_off.as_secs_f64() * 1e3,
+        report.time_off.as_secs_f64() / report.time_on.as_secs_f64().max(1e-9),
+        megabytes(report.bytes_on),
+        megabytes(report.bytes_off),
+        100.0 * report.bytes_on as f64 / (report.bytes_off.max(1)) as f64,
+    )
+}
+
+/// The whole table with a total row.
+pub fn format_table(reports: &[QueryReport]) -> String {
+    let mut out = format_header();
+    for report in reports {
+        out.push('\n');
+        out.push_str(&format_row(report));
+    }
+    let total = QueryReport {
+        name: "total".into(),
+        rows: reports.iter().map(|report| report.rows).sum(),
+        time_on: reports.iter().map(|report| report.time_on).sum(),
+        time_off: reports.iter().map(|report| report.time_off).sum(),
+        bytes_on: reports.iter().map(|report| report.bytes_on).sum(),
+        bytes_off: reports.iter().map(|report| report.bytes_off).sum(),
+    };
+    out.push('\n');
+    out.push_str(&format_row(&total));
+    out
+}

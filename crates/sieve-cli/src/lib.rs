@@ -1,0 +1,13 @@
+//! The pieces behind the `sieve` command, shared with the end-to-end tests.
+//!
+//! - [`cluster`]: an embedded cluster, storage nodes inside this process on
+//!   loopback ports (real Flight over TCP);
+//! - [`queries`]: the 22 TPC-H queries (standard text, validation parameters);
+//! - [`demo`]: the embedded default: TPC-H with NDP on and off, side by side;
+//! - [`compare`]: result comparison against plain DataFusion.
+#![deny(missing_docs)]
+
+pub mod cluster;
+pub mod compare;
+pub mod demo;
+pub mod queries;

@@ -1,0 +1,214 @@
+//! `sieve`: the command line of the Sieve near-data-processing database.
+
+use std::io::{BufRead, Write};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use datafusion::common::Result;
+use sieve_cli::cluster::EmbeddedCluster;
+use sieve_cli::demo::{ensure_data, format_table, run_demo, DemoOptions};
+use sieve_compute::connect_session;
+use sieve_format::{generate_tpch, SliceLayout};
+use sieve_storage::{ExecuteOptions, StorageNode, StorageNodeConfig};
+
+#[derive(Parser, Debug)]
+#[command(name = "sieve", version, about = "Sieve: a near-data-processing analytic SQL database")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// The embedded default: TPC-H on a local 3-node cluster, NDP on vs off.
+    Demo {
+        /// TPC-H scale factor.
+        #[arg(long, default_value_t = 0.1)]
+        sf: f64,
+        /// Storage nodes.
+        #[arg(long, default_value_t = 3)]
+        nodes: usize,
+        /// Timed runs per query and mode; the median is reported.
+        #[arg(long, default_value_t = 1)]
+        runs: usize,
+        /// Data directory (generated data is kept in DIR/tpch-sfX).
+        #[arg(long, default_value = "sieve-data")]
+        data: PathBuf,
+        /// Only these queries (e.g. --query q1 --query q6).
+        #[arg(long = "query")]
+        queries: Vec<String>,
+    },
+    /// Generate a benchmark data set as slices spread over storage-node directories.
+    Gen {
+        /// Benchmark: only `tpch` for now.
+        benchmark: String,
+        /// Scale factor.
+        #[arg(long, default_value_t = 1.0)]
+        sf: f64,
+        /// Output directory (node-0, node-1, ... are created inside).
+        #[arg(long)]
+        out: PathBuf,
+        /// Number of storage nodes to spread slices over.
+        #[arg(long, default_value_t = 3)]
+        nodes: usize,
+        /// Rows per slice at most.
+        #[arg(long, default_value_t = SliceLayout::default().slice_rows_max)]
+        slice_rows: usize,
+        /// Rows per data page at most.
+        #[arg(long, default_value_t = SliceLayout::default().data_page_rows_max)]
+        page_rows: usize,
+    },
+    /// Run a storage node over one data directory.
+    Storage {
+        /// The node's data directory (e.g. DIR/node-0).
+        #[arg(long)]
+        data: PathBuf,
+        /// Flight address.
+        #[arg(long, default_value = "127.0.0.1:50051")]
+        listen: SocketAddr,
+        /// Byte-range HTTP address.
+        #[arg(long, default_value = "127.0.0.1:50061")]
+        range_listen: SocketAddr,
+    },
+    /// SQL against a cluster: an interactive shell, or -c / -f.
+    Sql {
+        /// Storage node Flight URLs, comma separated. Without it, the embedded
+        /// cluster of the demo is started.
+        #[arg(long, value_delimiter = ',')]
+        cluster: Vec<String>,
+        /// Run this SQL and exit.
+        #[arg(short = 'c')]
+        command: Option<String>,
+        /// Run the SQL in this file and exit.
+        #[arg(short = 'f')]
+        file: Option<PathBuf>,
+        /// Scale factor of the embedded cluster's data.
+        #[arg(long, default_value_t = 0.1)]
+        sf: f64,
+        /// Data directory of the embedded cluster.
+        #[arg(long, default_value = "sieve-data")]
+        data: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    let command = cli.command.unwrap_or(Command::Demo {
+        sf: 0.1,
+        nodes: 3,
+        runs: 1,
+        data: PathBuf::from("sieve-data"),
+        queries: vec![],
+    });
+    match command {
+        Command::Demo { sf, nodes, runs, data, queries } => {
+            let options = DemoOptions { scale_factor: sf, nodes, runs, data_directory: data, queries };
+            let reports = run_demo(&options).await?;
+            println!("TPC-H SF {sf} on {nodes} embedded storage nodes (loopback Flight), median of {runs} run(s)");
+            println!("{}", format_table(&reports));
+            Ok(())
+        }
+        Command::Gen { benchmark, sf, out, nodes, slice_rows, page_rows } => {
+            if benchmark != "tpch" {
+                return datafusion::common::plan_err!("unknown benchmark '{benchmark}' (known: tpch)");
+            }
+            let layout = SliceLayout { slice_rows_max: slice_rows, data_page_rows_max: page_rows, ..SliceLayout::default() };
+            generate_tpch(&out, sf, nodes, &layout)?;
+            println!("generated TPC-H SF {sf} into {} ({nodes} node directories)", out.display());
+            Ok(())
+        }
+        Command::Storage { data, listen, range_listen } => {
+            let node = StorageNode::start(StorageNodeConfig {
+                data_directory: data.clone(),
+                flight_address: listen,
+                range_address: range_listen,
+                execute: ExecuteOptions::default(),
+            })
+            .await?;
+            println!(
+                "storage node over {}: flight {} , byte ranges http://{}",
+                data.display(),
+                node.flight_url(),
+                node.range_address()
+            );
+            let _ = tokio::signal::ctrl_c().await;
+            node.stop().await;
+            Ok(())
+        }
+        Command::Sql { cluster, command, file, sf, data } => {
+            let mut embedded = None;
+            let urls = if cluster.is_empty() {
+                let options = DemoOptions { scale_factor: sf, nodes: 3, runs: 1, data_directory: data, queries: vec![] };
+                let root = ensure_data(&options)?;
+                let started = EmbeddedCluster::start(&root, 3).await?;
+                let urls = started.urls();
+                embedded = Some(started);
+                urls
+            } else {
+                cluster
+            };
+            let session = connect_session(&urls).await?;
+            let result = if let Some(sql) = command {
+                run_statements(&session.context, &sql).await
+            } else if let Some(file) = file {
+                let sql = std::fs::read_to_string(&file)?;
+                run_statements(&session.context, &sql).await
+            } else {
+                shell(&session.context).await
+            };
+            drop(embedded);
+            result
+        }
+    }
+}
+
+/// Run each `;`-separated statement and print its result.
+async fn run_statements(context: &datafusion::prelude::SessionContext, sql: &str) -> Result<()> {
+    for statement in sql.split(';').map(str::trim).filter(|statement| !statement.is_empty()) {
+        let batches = context.sql(statement).await?.collect().await?;
+        println!("{}", arrow::util::pretty::pretty_format_batches(&batches)?);
+    }
+    Ok(())
+}
+
+/// A line-based shell: statements end with `;`. Errors are printed and the shell goes on.
+async fn shell(context: &datafusion::prelude::SessionContext) -> Result<()> {
+    let stdin = std::io::stdin();
+    let mut buffer = String::new();
+    print!("sieve> ");
+    let _ = std::io::stdout().flush();
+    for line in stdin.lock().lines() {
+        let line = line?;
+        buffer.push_str(&line);
+        buffer.push('\n');
+        if line.trim_end().ends_with(';') {
+            if let Err(error) = run_statements(context, &buffer).await {
+                eprintln!("error: {error}");
+            }
+            buffer.clear();
+        }
+        print!("{}", if buffer.is_empty() { "sieve> " } else { "   ... " });
+        let _ = std::io::stdout().flush();
+    }
+    println!();
+    Ok(())
+}

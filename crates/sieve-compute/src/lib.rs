@@ -1,0 +1,40 @@
+//! The Sieve compute node.
+//!
+//! A DataFusion [`SessionContext`](datafusion::prelude::SessionContext) whose
+//! tables are discovered from storage nodes. A query's path:
+//!
+//! ```text
+//!  SQL ─> DataFusion logical plan ─> SieveTable::scan (table.rs)
+//!     sieve.ndp = on : SieveScanExec (scan.rs)
+//!                       one NDP fragment per scan, one DoGet per slice,
+//!                       all storage nodes at once, a bounded number in flight
+//!                       per partition (client.rs)
+//!                     [+ FilterExec for conjuncts outside the allow-list]
+//!     sieve.ndp = off: DataSourceExec(ParquetSource) reading slice files by
+//!                       byte range from the storage nodes (range_store.rs),
+//!                       with DataFusion's own pruning, + FilterExec
+//!  ─> the rest of the plan runs here, unchanged
+//! ```
+//!
+//! Architecture invariant: the compute node never opens a slice file itself;
+//! with NDP on it sees only what fragments return, with NDP off only bytes
+//! the range endpoint served.
+#![deny(missing_docs)]
+
+mod catalog;
+mod client;
+mod config;
+mod range_store;
+mod scan;
+mod session;
+mod table;
+mod traffic;
+
+pub use catalog::{ClusterCatalog, ClusterSlice, ClusterTable};
+pub use client::{SliceResult, StorageClient};
+pub use config::{NdpMode, SieveConfig};
+pub use range_store::ClusterRangeStore;
+pub use scan::SieveScanExec;
+pub use session::{connect_session, connect_session_with_config, SieveSession};
+pub use table::SieveTable;
+pub use traffic::{Traffic, TrafficSnapshot};

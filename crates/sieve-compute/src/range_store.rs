@@ -1,0 +1,128 @@
+//! The NDP-off read path: one [`ObjectStore`] over every storage node's
+//! byte-range endpoint, counting the bytes it receives.
+//!
+//! Paths are `{node}/slices/{table}/{file}`; the first segment picks the
+//! node. Only reads are supported: the compute node never writes slices.
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use object_store::http::HttpBuilder;
+use object_store::path::Path;
+use object_store::{
+    ClientOptions, CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    PutMultipartOptions, PutOptions, PutPayload, PutResult,
+};
+
+use crate::Traffic;
+
+/// The URL DataFusion knows this store by.
+pub(crate) const CLUSTER_RANGE_URL: &str = "sieve-range://cluster";
+
+/// Byte-range reads from every storage node.
+#[derive(Debug)]
+pub struct ClusterRangeStore {
+    nodes: Vec<Arc<dyn ObjectStore>>,
+    traffic: Arc<Traffic>,
+}
+
+impl ClusterRangeStore {
+    /// A store over the range endpoints at `base_urls` (`http://host:port`), one per node.
+    pub fn try_new(base_urls: &[String], traffic: Arc<Traffic>) -> object_store::Result<Self> {
+        let nodes = base_urls
+            .iter()
+            .map(|url| {
+                HttpBuilder::new()
+                    .with_url(url)
+                    .with_client_options(ClientOptions::new().with_allow_http(true))
+                    .build()
+                    .map(|store| Arc::new(store) as Arc<dyn ObjectStore>)
+            })
+            .collect::<object_store::Result<_>>()?;
+        Ok(Self { nodes, traffic })
+    }
+
+    /// The path of `file_path` (`slices/...`) on node `node`.
+    pub(crate) fn path(node: usize, file_path: &str) -> String {
+        format!("{node}/{file_path}")
+    }
+
+    fn route(&self, location: &Path) -> object_store::Result<(&Arc<dyn ObjectStore>, Path)> {
+        let mut parts = location.parts();
+        let node: Option<usize> = parts.next().and_then(|part| part.as_ref().parse().ok());
+        let store = node.and_then(|node| self.nodes.get(node)).ok_or_else(|| object_store::Error::NotFound {
+            path: location.to_string(),
+            source: "path does not name a storage node".into(),
+        })?;
+        Ok((store, Path::from_iter(parts)))
+    }
+}
+
+impl fmt::Display for ClusterRangeStore {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(formatter, "ClusterRangeStore({} nodes)", self.nodes.len())
+    }
+}
+
+fn read_only() -> object_store::Error {
+    object_store::Error::NotImplemented {
+        operation: "write to a storage node's byte-range endpoint".into(),
+        implementer: "ClusterRangeStore".into(),
+    }
+}
+
+#[async_trait]
+impl ObjectStore for ClusterRangeStore {
+    async fn put_opts(&self, _location: &Path, _payload: PutPayload, _opts: PutOptions) -> object_store::Result<PutResult> {
+        Err(read_only())
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        _location: &Path,
+        _opts: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        Err(read_only())
+    }
+
+    async fn get_opts(&self, location: &Path, options: GetOptions) -> object_store::Result<GetResult> {
+        let (store, path) = self.route(location)?;
+        let result = store.get_opts(&path, options).await?;
+        self.traffic.add_range_response(result.range.end - result.range.start);
+        Ok(result)
+    }
+
+    async fn get_ranges(&self, location: &Path, ranges: &[Range<u64>]) -> object_store::Result<Vec<Bytes>> {
+        let (store, path) = self.route(location)?;
+        let parts = store.get_ranges(&path, ranges).await?;
+        for part in &parts {
+            self.traffic.add_range_response(part.len() as u64);
+        }
+        Ok(parts)
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<Path>>,
+    ) -> BoxStream<'static, object_store::Result<Path>> {
+        use futures::StreamExt;
+        locations.map(|_| Err(read_only())).boxed()
+    }
+
+    fn list(&self, _prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        use futures::StreamExt;
+        futures::stream::once(async { Err(read_only()) }).boxed()
+    }
+
+    async fn list_with_delimiter(&self, _prefix: Option<&Path>) -> object_store::Result<ListResult> {
+        Err(read_only())
+    }
+
+    async fn copy_opts(&self, _from: &Path, _to: &Path, _options: CopyOptions) -> object_store::Result<()> {
+        Err(read_only())
+    }
+}

@@ -1,0 +1,179 @@
+//! `SieveTable`: a table whose slices live on storage nodes.
+
+use std::sync::Arc;
+
+use arrow::datatypes::SchemaRef;
+use async_trait::async_trait;
+use datafusion::catalog::{Session, TableProvider};
+use datafusion::common::{DFSchema, Result, Statistics};
+use datafusion::datasource::source::DataSourceExec;
+use datafusion::datasource::TableType;
+use datafusion::execution::object_store::ObjectStoreUrl;
+use datafusion::logical_expr::utils::conjunction;
+use datafusion::logical_expr::{Expr, TableProviderFilterPushDown};
+use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_expr::utils::{collect_columns, reassign_expr_columns};
+use datafusion::physical_expr::{conjunction as physical_conjunction, PhysicalExpr};
+use datafusion::physical_plan::filter::FilterExecBuilder;
+use datafusion::physical_plan::ExecutionPlan;
+use datafusion_datasource::file_groups::FileGroup;
+use datafusion_datasource::file_scan_config::FileScanConfigBuilder;
+use datafusion_datasource::PartitionedFile;
+use datafusion_datasource_parquet::source::ParquetSource;
+use datafusion_datasource_parquet::CachedParquetFileReaderFactory;
+use sieve_fragment::check_allowed;
+
+use crate::range_store::{ClusterRangeStore, CLUSTER_RANGE_URL};
+use crate::{ClusterCatalog, ClusterTable, NdpMode, SieveConfig, SieveScanExec, Traffic};
+
+/// A table of the cluster, as DataFusion sees it.
+///
+/// Every filter DataFusion offers is accepted as `Exact`: with NDP on, the
+/// allow-listed conjuncts run on the storage nodes and the rest in a
+/// `FilterExec` right above the scan; with NDP off, all of them run in a
+/// `FilterExec` over the Parquet scan. Either way the scan's output is
+/// exactly filtered.
+#[derive(Debug)]
+pub struct SieveTable {
+    table: Arc<ClusterTable>,
+    catalog: Arc<ClusterCatalog>,
+    traffic: Arc<Traffic>,
+}
+
+impl SieveTable {
+    /// A provider for `table`.
+    pub fn new(table: Arc<ClusterTable>, catalog: Arc<ClusterCatalog>, traffic: Arc<Traffic>) -> Self {
+        Self { table, catalog, traffic }
+    }
+
+    fn scan_off(
+        &self,
+        state: &dyn Session,
+        projection: &[usize],
+        predicate: Option<Arc<dyn PhysicalExpr>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let schema = Arc::clone(&self.table.schema);
+        let url = ObjectStoreUrl::parse(CLUSTER_RANGE_URL)?;
+        let store = state.runtime_env().object_store(&url)?;
+        let metadata_cache = state.runtime_env().cache_manager.get_file_metadata_cache();
+        // Exactly what DataFusion's ListingTable does for Parquet: the session's
+        // Parquet options (page index, pruning, Bloom filters) and metadata cache.
+        let mut source = ParquetSource::new(Arc::clone(&schema))
+            .with_table_parquet_options(state.table_options().parquet.clone())
+            .with_parquet_file_reader_factory(Arc::new(CachedParquetFileReaderFactory::new(store, metadata_cache)));
+        if let Some(predicate) = &predicate {
+            source = source.with_predicate(Arc::clone(predicate));
+        }
+        let partitions = state.config().target_partitions().clamp(1, self.table.slices.len().max(1));
+        let mut groups: Vec<Vec<PartitionedFile>> = vec![Vec::new(); partitions];
+        for (index, slice) in self.table.slices.iter().enumerate() {
+            let file_path = slice
+                .range_url
+                .split_once("/slices/")
+                .map(|(_, rest)| format!("slices/{rest}"))
+                .unwrap_or_default();
+            groups[index % partitions]
+                .push(PartitionedFile::new(ClusterRangeStore::path(slice.node, &file_path), slice.summary.bytes));
+        }
+        let mut needed: Vec<usize> = projection.to_vec();
+        if let Some(predicate) = &predicate {
+            needed.extend(collect_columns(predicate).iter().map(Column::index));
+        }
+        needed.sort_unstable();
+        needed.dedup();
+        let config = FileScanConfigBuilder::new(url, Arc::new(source))
+            .with_file_groups(groups.into_iter().map(FileGroup::new).collect())
+            .with_projection_indices(Some(needed.clone()))?
+            .with_statistics(self.table.statistics.clone())
+            .build();
+        let scan: Arc<dyn ExecutionPlan> = DataSourceExec::from_data_source(config);
+        finish_scan(scan, &needed, projection, predicate)
+    }
+}
+
+/// Put the exact `predicate` (over the table schema) and the final
+/// `projection` on top of a scan that produced the `needed` columns.
+fn finish_scan(
+    scan: Arc<dyn ExecutionPlan>,
+    needed: &[usize],
+    projection: &[usize],
+    predicate: Option<Arc<dyn PhysicalExpr>>,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    let Some(predicate) = predicate else {
+        if needed == projection {
+            return Ok(scan);
+        }
+        let positions = projection.iter().map(|column| needed.binary_search(column).expect("needed ⊇ projection")).collect();
+        return Ok(Arc::new(FilterExecBuilder::new(datafusion::physical_expr::expressions::lit(true), scan)
+            .apply_projection(Some(positions))?
+            .build()?));
+    };
+    let predicate = reassign_expr_columns(predicate, &scan.schema())?;
+    let positions = projection.iter().map(|column| needed.binary_search(column).expect("needed ⊇ projection")).collect();
+    Ok(Arc::new(FilterExecBuilder::new(predicate, scan).apply_projection(Some(positions))?.build()?))
+}
+
+#[async_trait]
+impl TableProvider for SieveTable {
+    fn schema(&self) -> SchemaRef {
+        Arc::clone(&self.table.schema)
+    }
+
+    fn table_type(&self) -> TableType {
+        TableType::Base
+    }
+
+    fn statistics(&self) -> Option<Statistics> {
+        Some(self.table.statistics.clone())
+    }
+
+    fn supports_filters_pushdown(&self, filters: &[&Expr]) -> Result<Vec<TableProviderFilterPushDown>> {
+        Ok(vec![TableProviderFilterPushDown::Exact; filters.len()])
+    }
+
+    async fn scan(
+        &self,
+        state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        filters: &[Expr],
+        _limit: Option<usize>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let schema = Arc::clone(&self.table.schema);
+        let projection: Vec<usize> = projection.cloned().unwrap_or_else(|| (0..schema.fields().len()).collect());
+        let settings = state.config_options().extensions.get::<SieveConfig>().cloned().unwrap_or_default();
+        let df_schema = DFSchema::try_from(Arc::clone(&schema))?;
+        let filter = conjunction(filters.iter().cloned());
+        let predicate = filter.map(|filter| state.create_physical_expr(filter, &df_schema)).transpose()?;
+        if settings.mode()? == NdpMode::Off {
+            return self.scan_off(state, &projection, predicate);
+        }
+        // Split the predicate: allow-listed conjuncts go to the storage nodes,
+        // the rest stay here.
+        let (pushed, residual): (Vec<_>, Vec<_>) = predicate
+            .iter()
+            .flat_map(datafusion::physical_expr::split_conjunction)
+            .cloned()
+            .partition(|conjunct| check_allowed(conjunct, &schema).is_ok());
+        let pushed = (!pushed.is_empty()).then(|| physical_conjunction(pushed));
+        let residual = (!residual.is_empty()).then(|| physical_conjunction(residual));
+        let mut needed = projection.clone();
+        if let Some(residual) = &residual {
+            needed.extend(collect_columns(residual).iter().map(Column::index));
+            needed.sort_unstable();
+            needed.dedup();
+        }
+        let scan: Arc<dyn ExecutionPlan> = Arc::new(SieveScanExec::try_new(
+            Arc::clone(&self.catalog),
+            Arc::clone(&self.table),
+            Arc::clone(&self.traffic),
+            needed.clone(),
+            pushed,
+            state.config().target_partitions(),
+            settings.slices_in_flight,
+        )?);
+        match residual {
+            None => Ok(scan),
+            Some(_) => finish_scan(scan, &needed, &projection, residual),
+        }
+    }
+}

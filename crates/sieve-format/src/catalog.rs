@@ -1,0 +1,52 @@
+//! What a storage node says about the data it holds.
+//!
+//! These summaries travel from storage node to compute node as JSON inside
+//! Flight's `FlightInfo` (one per table; one endpoint per slice), next to the
+//! Arrow schema that Flight carries natively.
+
+use serde::{Deserialize, Serialize};
+
+/// Minimum and maximum of one column over a slice, rendered as text so any
+/// Arrow type travels the same way; the reader casts them back with the
+/// column's type. `None` where the slice has no statistics for the column.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ColumnSummary {
+    /// Column name.
+    pub name: String,
+    /// Smallest value, if known.
+    pub min: Option<String>,
+    /// Largest value, if known.
+    pub max: Option<String>,
+    /// Number of NULLs, if known.
+    pub null_count: Option<u64>,
+}
+
+/// One slice of a table as a storage node describes it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SliceSummary {
+    /// Table the slice belongs to.
+    pub table: String,
+    /// Slice number within the table, unique across all storage nodes.
+    pub slice: u32,
+    /// Rows in the slice.
+    pub rows: u64,
+    /// Bytes of the slice file on disk.
+    pub bytes: u64,
+    /// Row groups in the slice.
+    pub row_groups: u32,
+    /// Data pages in the slice, over all columns.
+    pub pages: u64,
+    /// Per-column min/max, in schema order.
+    pub columns: Vec<ColumnSummary>,
+    /// Relative path of the slice file, for the byte-range endpoint.
+    pub file: String,
+}
+
+/// A table as one storage node holds it: the slices on that node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TableSummary {
+    /// Table name.
+    pub name: String,
+    /// Slices of the table held by this node.
+    pub slices: Vec<SliceSummary>,
+}

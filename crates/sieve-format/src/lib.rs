@@ -1,0 +1,37 @@
+//! Sieve's on-disk format.
+//!
+//! A table is stored as *slices*: Parquet files of a bounded number of rows,
+//! each written with page-level statistics, the page index (column index and
+//! offset index), small data pages and Bloom filters on key columns, so that a
+//! storage node can decide page by page what a predicate may match (the
+//! *coarse stage*) before it decodes anything.
+//!
+//! ```text
+//!   DIR/node-0/lineitem/lineitem-00001.parquet   slice 1 of lineitem
+//!   DIR/node-1/lineitem/lineitem-00002.parquet   slice 2, on the next node
+//!   DIR/node-2/orders/orders-00001.parquet       ...
+//!   DIR/_SUCCESS                                 written last: the load is complete
+//! ```
+//!
+//! Each storage node owns one `node-K` directory. Slices are written to a
+//! temporary name and renamed into place, so a crash in the middle of a load
+//! never leaves a partial slice visible.
+//!
+//! This crate does no networking and knows nothing of queries.
+#![deny(missing_docs)]
+
+mod catalog;
+mod layout;
+mod tpch;
+
+pub use catalog::{ColumnSummary, SliceSummary, TableSummary};
+pub use layout::{write_slice, SliceLayout};
+pub use tpch::{generate_tpch, is_generated, slice_path, TpchTable, TPCH_TABLES};
+
+/// Name of the marker file written after every slice of a load is in place.
+pub const LOAD_COMPLETE_MARKER: &str = "_SUCCESS";
+
+/// The directory owned by storage node `node` inside a generated data set.
+pub fn node_directory(root: &std::path::Path, node: usize) -> std::path::PathBuf {
+    root.join(format!("node-{node}"))
+}

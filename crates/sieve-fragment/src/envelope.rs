@@ -1,0 +1,212 @@
+//! The wire messages: the fragment envelope and body, and the metrics a
+//! storage node sends back after a slice's last batch.
+
+use std::sync::Arc;
+
+use arrow::datatypes::Schema;
+use datafusion::common::{plan_datafusion_err, plan_err, Result};
+use datafusion::execution::TaskContext;
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion_proto::physical_plan::from_proto::parse_physical_expr;
+use datafusion_proto::physical_plan::to_proto::serialize_physical_expr;
+use datafusion_proto::physical_plan::DefaultPhysicalExtensionCodec;
+use datafusion_proto::protobuf::PhysicalExprNode;
+use prost::Message;
+
+use crate::check_allowed;
+
+/// The only fragment version this build speaks. A storage node refuses any
+/// other, so a compute node and a storage node of different versions fail
+/// loudly instead of misreading each other.
+pub const FRAGMENT_VERSION: u32 = 1;
+
+/// Upper bound on an encoded fragment. A TPC-H predicate encodes to a few
+/// kilobytes; an IN list of ten thousand keys to well under a megabyte. Larger
+/// requests are refused before any decoding work is done.
+pub const FRAGMENT_BYTES_MAX: usize = 4 * 1024 * 1024;
+
+/// The envelope: version, slice address, and the scan-wide body as bytes.
+#[derive(Clone, PartialEq, Message)]
+pub struct FragmentEnvelope {
+    /// Must equal [`FRAGMENT_VERSION`].
+    #[prost(uint32, tag = "1")]
+    pub version: u32,
+    /// Table name.
+    #[prost(string, tag = "2")]
+    pub table: String,
+    /// Slice number within the table.
+    #[prost(uint32, tag = "3")]
+    pub slice: u32,
+    /// An encoded [`FragmentBody`]; identical for all slices of one scan.
+    #[prost(bytes = "vec", tag = "4")]
+    pub body: Vec<u8>,
+}
+
+/// What to do with the slice. Tags 4 and up are reserved for partial
+/// aggregation, join filters and a snapshot version.
+#[derive(Clone, PartialEq, Message)]
+pub struct FragmentBody {
+    /// [`schema_fingerprint`] of the table schema the fragment was planned on.
+    #[prost(uint64, tag = "1")]
+    pub schema_fingerprint: u64,
+    /// Columns to ship, as indices into the table schema, in output order.
+    #[prost(uint32, repeated, tag = "2")]
+    pub projection: Vec<u32>,
+    /// Exact filter over the table schema; absent means keep every row.
+    #[prost(message, optional, tag = "3")]
+    pub predicate: Option<PhysicalExprNode>,
+}
+
+/// What a storage node did for one slice; sent as the `app_metadata` of a
+/// final body-less Flight message after the slice's last batch.
+#[derive(Clone, PartialEq, Message)]
+pub struct SliceMetrics {
+    /// Bytes read from the slice file (data pages, dictionaries, Bloom filters).
+    #[prost(uint64, tag = "1")]
+    pub bytes_read: u64,
+    /// Data pages of the columns the fragment needs, over all row groups.
+    #[prost(uint64, tag = "2")]
+    pub pages_considered: u64,
+    /// Pages ruled out by row-group min/max statistics.
+    #[prost(uint64, tag = "3")]
+    pub pages_skipped_statistics: u64,
+    /// Pages ruled out by the page index (per-page min/max).
+    #[prost(uint64, tag = "4")]
+    pub pages_skipped_page_index: u64,
+    /// Pages ruled out by Bloom filters.
+    #[prost(uint64, tag = "5")]
+    pub pages_skipped_bloom_filter: u64,
+    /// Rows decoded from the pages that were read.
+    #[prost(uint64, tag = "6")]
+    pub rows_scanned: u64,
+    /// Rows that passed the exact filter and were shipped.
+    #[prost(uint64, tag = "7")]
+    pub rows_returned: u64,
+    /// CPU time the storage node spent evaluating the fragment.
+    #[prost(uint64, tag = "8")]
+    pub cpu_nanos: u64,
+    /// Whether the fragment's work was done (false: raw pages, reserved for best effort).
+    #[prost(bool, tag = "9")]
+    pub processed: bool,
+}
+
+impl SliceMetrics {
+    /// Pages actually read: considered minus every kind of skip.
+    pub fn pages_read(&self) -> u64 {
+        self.pages_considered.saturating_sub(
+            self.pages_skipped_statistics + self.pages_skipped_page_index + self.pages_skipped_bloom_filter,
+        )
+    }
+}
+
+/// A stable 64-bit fingerprint (FNV-1a) of a schema's column names, types and
+/// nullability. Both sides compute it, so a fragment planned against another
+/// version of a table is refused rather than misread.
+pub fn schema_fingerprint(schema: &Schema) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for field in schema.fields() {
+        let text = format!("{}:{}:{};", field.name(), field.data_type(), field.is_nullable());
+        for byte in text.bytes() {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    hash
+}
+
+/// A fragment as the compute node builds it, before encoding.
+#[derive(Debug, Clone)]
+pub struct Fragment {
+    /// Columns to ship, as indices into the table schema.
+    pub projection: Vec<usize>,
+    /// Exact filter over the table schema.
+    pub predicate: Option<Arc<dyn PhysicalExpr>>,
+}
+
+impl Fragment {
+    /// Check the fragment against `schema` and the allow-list, then encode
+    /// its body. The same checks run again on the storage node after decoding.
+    pub fn encode_body(&self, schema: &Schema) -> Result<Vec<u8>> {
+        check_projection(&self.projection, schema)?;
+        let predicate = match &self.predicate {
+            Some(predicate) => {
+                check_allowed(predicate, schema)?;
+                Some(serialize_physical_expr(predicate, &DefaultPhysicalExtensionCodec {})?)
+            }
+            None => None,
+        };
+        let body = FragmentBody {
+            schema_fingerprint: schema_fingerprint(schema),
+            projection: self.projection.iter().map(|&index| index as u32).collect(),
+            predicate,
+        };
+        let bytes = body.encode_to_vec();
+        if bytes.len() > FRAGMENT_BYTES_MAX {
+            return plan_err!("NDP fragment is {} bytes, above the limit of {FRAGMENT_BYTES_MAX}", bytes.len());
+        }
+        Ok(bytes)
+    }
+}
+
+impl FragmentEnvelope {
+    /// An envelope for `slice` of `table` carrying an encoded body.
+    pub fn new(table: impl Into<String>, slice: u32, body: Vec<u8>) -> Self {
+        Self { version: FRAGMENT_VERSION, table: table.into(), slice, body }
+    }
+
+    /// Decode an envelope received over the network, refusing oversized
+    /// input, undecodable bytes and unknown versions.
+    pub fn decode_checked(bytes: &[u8]) -> Result<Self> {
+        if bytes.len() > FRAGMENT_BYTES_MAX {
+            return plan_err!("NDP fragment is {} bytes, above the limit of {FRAGMENT_BYTES_MAX}", bytes.len());
+        }
+        let envelope = Self::decode(bytes).map_err(|error| plan_datafusion_err!("malformed NDP fragment: {error}"))?;
+        if envelope.version != FRAGMENT_VERSION {
+            return plan_err!(
+                "NDP fragment version {} is not supported (this node speaks version {FRAGMENT_VERSION})",
+                envelope.version
+            );
+        }
+        Ok(envelope)
+    }
+}
+
+/// A fragment body decoded and checked on the storage node.
+#[derive(Debug, Clone)]
+pub struct DecodedBody {
+    /// Columns to ship, as indices into the table schema.
+    pub projection: Vec<usize>,
+    /// Exact filter over the table schema.
+    pub predicate: Option<Arc<dyn PhysicalExpr>>,
+}
+
+impl DecodedBody {
+    /// Decode `body` against the table `schema`, checking the fingerprint,
+    /// the projection and the allow-list.
+    pub fn decode(body: &[u8], schema: &Schema, task_context: &TaskContext) -> Result<Self> {
+        let body = FragmentBody::decode(body).map_err(|error| plan_datafusion_err!("malformed NDP fragment body: {error}"))?;
+        if body.schema_fingerprint != schema_fingerprint(schema) {
+            return plan_err!("NDP fragment was planned against another schema of this table");
+        }
+        let projection: Vec<usize> = body.projection.iter().map(|&index| index as usize).collect();
+        check_projection(&projection, schema)?;
+        let predicate = match &body.predicate {
+            Some(node) => {
+                let predicate = parse_physical_expr(node, task_context, schema, &DefaultPhysicalExtensionCodec {})
+                    .map_err(|error| plan_datafusion_err!("NDP fragment predicate cannot be decoded: {error}"))?;
+                check_allowed(&predicate, schema)?;
+                Some(predicate)
+            }
+            None => None,
+        };
+        Ok(Self { projection, predicate })
+    }
+}
+
+fn check_projection(projection: &[usize], schema: &Schema) -> Result<()> {
+    let columns = schema.fields().len();
+    if let Some(bad) = projection.iter().find(|&&index| index >= columns) {
+        return plan_err!("NDP fragment projects column {bad}, but the table has {columns} columns");
+    }
+    Ok(())
+}

@@ -1,0 +1,35 @@
+//! The NDP fragment (Taurus's "NDP descriptor", SoftFlash's serialised
+//! predicate): what a compute node asks a storage node to do with one slice.
+//!
+//! ```text
+//!  FragmentEnvelope (protobuf, versioned)
+//!  ├── version              FRAGMENT_VERSION; anything else is rejected
+//!  ├── table, slice         which slice; resolved by the storage node's own catalog
+//!  └── body (bytes)         FragmentBody, identical for every slice of one scan
+//!      ├── schema_fingerprint   the table schema both sides planned against
+//!      ├── projection           columns to ship, as indices into the table schema
+//!      └── predicate            datafusion-proto PhysicalExprNode (optional)
+//! ```
+//!
+//! The body is kept as opaque bytes inside the envelope so a storage node can
+//! cache the decoded body by content hash: a scan of a thousand slices decodes
+//! its fragment once.
+//!
+//! Both sides check the fragment against the same allow-list
+//! ([`check_allowed`]): the compute node before it encodes, so that what it
+//! cannot push stays on the compute node, and the storage node after it
+//! decodes, so that a hostile request is refused. Nothing in a fragment names
+//! a file: the storage node maps `(table, slice)` to a path through its own
+//! catalog, so a fragment cannot read outside the node's data directory.
+//!
+//! This crate does no I/O.
+#![deny(missing_docs)]
+
+mod allow_list;
+mod envelope;
+
+pub use allow_list::{check_allowed, is_allowed_type, ALLOWED_FUNCTIONS};
+pub use envelope::{
+    schema_fingerprint, DecodedBody, Fragment, FragmentBody, FragmentEnvelope, SliceMetrics,
+    FRAGMENT_BYTES_MAX, FRAGMENT_VERSION,
+};

@@ -1,0 +1,206 @@
+//! The node's catalog: which slices of which tables live in its data directory.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arrow::array::Array;
+use arrow::datatypes::SchemaRef;
+use datafusion::common::{plan_err, DataFusionError, Result, ScalarValue};
+use parquet::arrow::arrow_reader::statistics::StatisticsConverter;
+use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions};
+use parquet::file::metadata::{PageIndexPolicy, ParquetMetaData};
+use sieve_format::{ColumnSummary, SliceSummary, TableSummary};
+
+/// One slice the node holds, with its Parquet metadata (footer and page
+/// index) loaded once at startup and kept in memory: every request for the
+/// slice plans its coarse stage from it without touching the disk.
+#[derive(Debug)]
+pub struct CatalogSlice {
+    /// What the node tells compute nodes about the slice.
+    pub summary: SliceSummary,
+    /// Absolute path of the slice file.
+    pub path: PathBuf,
+    /// The slice's absolute path, as the local object store names it.
+    pub object_path: object_store::path::Path,
+    /// Parquet metadata including the column and offset indexes.
+    pub metadata: Arc<ParquetMetaData>,
+}
+
+/// One table the node holds part of.
+#[derive(Debug)]
+pub struct CatalogTable {
+    /// Arrow schema shared by all slices of the table.
+    pub schema: SchemaRef,
+    /// Slices on this node, by slice number.
+    pub slices: BTreeMap<u32, Arc<CatalogSlice>>,
+}
+
+/// All tables in one data directory.
+#[derive(Debug)]
+pub struct NodeCatalog {
+    root: PathBuf,
+    tables: BTreeMap<String, CatalogTable>,
+}
+
+impl NodeCatalog {
+    /// Read the catalog of the data directory `root`: every
+    /// `TABLE/TABLE-NNNNN.parquet`. Temporary files of an interrupted load
+    /// are ignored; a slice that cannot be read is an error.
+    pub fn open(root: &Path) -> Result<Self> {
+        let root = root.canonicalize().map_err(|error| {
+            DataFusionError::Plan(format!("data directory {} cannot be opened: {error}", root.display()))
+        })?;
+        let mut tables = BTreeMap::new();
+        let mut table_dirs: Vec<_> = std::fs::read_dir(&root)?.collect::<std::io::Result<_>>()?;
+        table_dirs.sort_by_key(|entry| entry.file_name());
+        for table_dir in table_dirs {
+            if !table_dir.file_type()?.is_dir() {
+                continue;
+            }
+            let table_name = table_dir.file_name().to_string_lossy().into_owned();
+            let mut table: Option<CatalogTable> = None;
+            for entry in std::fs::read_dir(table_dir.path())? {
+                let entry = entry?;
+                let file_name = entry.file_name().to_string_lossy().into_owned();
+                let Some(slice_number) = parse_slice_number(&table_name, &file_name) else {
+                    continue;
+                };
+                let (schema, slice) = open_slice(&root, &table_name, slice_number, &entry.path())?;
+                let table = table.get_or_insert_with(|| CatalogTable { schema: schema.clone(), slices: BTreeMap::new() });
+                if table.schema.fields() != schema.fields() {
+                    return plan_err!("slice {} has a different schema from the other slices of {table_name}", entry.path().display());
+                }
+                table.slices.insert(slice_number, Arc::new(slice));
+            }
+            if let Some(table) = table {
+                tables.insert(table_name, table);
+            }
+        }
+        Ok(Self { root, tables })
+    }
+
+    /// The data directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Tables by name.
+    pub fn tables(&self) -> &BTreeMap<String, CatalogTable> {
+        &self.tables
+    }
+
+    /// The table `name`, or a clear error naming what the node holds.
+    pub fn table(&self, name: &str) -> Result<&CatalogTable> {
+        self.tables.get(name).ok_or_else(|| {
+            DataFusionError::Plan(format!(
+                "table '{name}' is not held by this storage node (it holds: {})",
+                self.tables.keys().cloned().collect::<Vec<_>>().join(", ")
+            ))
+        })
+    }
+
+    /// Slice `slice` of table `name`, or a clear error.
+    pub fn slice(&self, name: &str, slice: u32) -> Result<(&CatalogTable, &Arc<CatalogSlice>)> {
+        let table = self.table(name)?;
+        match table.slices.get(&slice) {
+            Some(found) => Ok((table, found)),
+            None => plan_err!(
+                "slice {slice} of table '{name}' is not held by this storage node (it holds slices {:?})",
+                table.slices.keys().collect::<Vec<_>>()
+            ),
+        }
+    }
+
+    /// The summary of every table, as sent to compute nodes.
+    pub fn summaries(&self) -> Vec<TableSummary> {
+        self.tables
+            .iter()
+            .map(|(name, table)| TableSummary {
+                name: name.clone(),
+                slices: table.slices.values().map(|slice| slice.summary.clone()).collect(),
+            })
+            .collect()
+    }
+
+    /// Find a slice by its file name, for the byte-range endpoint.
+    pub fn slice_by_file(&self, table: &str, file: &str) -> Option<&Arc<CatalogSlice>> {
+        let slice = parse_slice_number(table, file)?;
+        self.tables.get(table)?.slices.get(&slice)
+    }
+}
+
+/// `lineitem-00003.parquet` in table `lineitem` is slice 3.
+fn parse_slice_number(table: &str, file_name: &str) -> Option<u32> {
+    file_name.strip_prefix(table)?.strip_prefix('-')?.strip_suffix(".parquet")?.parse().ok()
+}
+
+fn open_slice(root: &Path, table: &str, slice: u32, path: &Path) -> Result<(SchemaRef, CatalogSlice)> {
+    let file = File::open(path)?;
+    let bytes = file.metadata()?.len();
+    let options = ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Required);
+    let reader_metadata = ArrowReaderMetadata::load(&file, options)?;
+    let schema = reader_metadata.schema().clone();
+    let metadata = reader_metadata.metadata().clone();
+    if schema.fields().iter().any(|field| field.data_type().is_nested()) {
+        return plan_err!("slice {} has nested columns, which Sieve does not store", path.display());
+    }
+    let offset_index = metadata.offset_index();
+    let pages = offset_index
+        .map(|row_groups| row_groups.iter().flatten().map(|column| column.page_locations().len() as u64).sum())
+        .unwrap_or(0);
+    let columns = schema
+        .fields()
+        .iter()
+        .map(|field| column_summary(field.name(), &schema, &metadata))
+        .collect();
+    let relative = path.strip_prefix(root).map_err(|error| DataFusionError::Internal(error.to_string()))?;
+    let summary = SliceSummary {
+        table: table.to_string(),
+        slice,
+        rows: metadata.file_metadata().num_rows() as u64,
+        bytes,
+        row_groups: metadata.num_row_groups() as u32,
+        pages,
+        columns,
+        file: relative.file_name().map(|name| name.to_string_lossy().into_owned()).unwrap_or_default(),
+    };
+    let object_path = object_store::path::Path::from_absolute_path(path)
+        .map_err(|error| DataFusionError::External(Box::new(error)))?;
+    Ok((schema, CatalogSlice { summary, path: path.to_path_buf(), object_path, metadata }))
+}
+
+/// Min, max and NULL count of one column over all row groups of a slice.
+fn column_summary(name: &str, schema: &SchemaRef, metadata: &ParquetMetaData) -> ColumnSummary {
+    let mut summary = ColumnSummary { name: name.to_string(), min: None, max: None, null_count: None };
+    let Ok(converter) = StatisticsConverter::try_new(name, schema, metadata.file_metadata().schema_descr()) else {
+        return summary;
+    };
+    let fold = |array: Option<arrow::array::ArrayRef>, keep_larger: bool| -> Option<String> {
+        let array = array?;
+        let mut best: Option<ScalarValue> = None;
+        for index in 0..array.len() {
+            if array.is_null(index) {
+                return None; // a row group without statistics: the slice's bound is unknown
+            }
+            let value = ScalarValue::try_from_array(&array, index).ok()?;
+            best = match best {
+                None => Some(value),
+                Some(current) => {
+                    let ordering = value.partial_cmp(&current)?;
+                    let replace = if keep_larger { ordering.is_gt() } else { ordering.is_lt() };
+                    Some(if replace { value } else { current })
+                }
+            };
+        }
+        best.map(|value| value.to_string())
+    };
+    summary.min = fold(converter.row_group_mins(metadata.row_groups().iter()).ok(), false);
+    summary.max = fold(converter.row_group_maxes(metadata.row_groups().iter()).ok(), true);
+    summary.null_count = converter
+        .row_group_null_counts(metadata.row_groups().iter())
+        .ok()
+        .and_then(|counts| (counts.null_count() == 0).then(|| counts.values().iter().sum()));
+    summary
+}

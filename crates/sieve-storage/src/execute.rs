@@ -1,0 +1,261 @@
+//! The exact stage: run one fragment over one slice.
+//!
+//! ```text
+//!   DataSourceExec(ParquetSource, match hints as ParquetAccessPlan, needed columns)
+//!     -> FilterExec(exact predicate, projection to the shipped columns)
+//! ```
+//!
+//! The plan is DataFusion's own, so the storage node evaluates a predicate
+//! with exactly the semantics the compute node would (overflow, NULLs,
+//! decimals, floats): pushing it down cannot change an answer.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use arrow::datatypes::SchemaRef;
+use arrow::record_batch::RecordBatch;
+use datafusion::common::{internal_datafusion_err, Result};
+use datafusion::datasource::source::DataSourceExec;
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_expr::utils::{collect_columns, reassign_expr_columns};
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_plan::filter::FilterExecBuilder;
+use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::ExecutionPlan;
+use datafusion::prelude::SessionContext;
+use datafusion_datasource::file_scan_config::FileScanConfigBuilder;
+use datafusion_datasource::PartitionedFile;
+use datafusion_datasource_parquet::source::ParquetSource;
+use datafusion::execution::object_store::ObjectStoreUrl;
+use futures::Stream;
+use object_store::local::LocalFileSystem;
+use object_store::ObjectStore;
+use sieve_fragment::{DecodedBody, FragmentEnvelope, SliceMetrics};
+
+use crate::cpu::thread_cpu_nanos;
+use crate::reader::SliceReaderFactory;
+use crate::{MatchHints, NodeCatalog};
+
+/// Settings of the storage node's executor.
+#[derive(Debug, Clone)]
+pub struct ExecuteOptions {
+    /// Evaluate the predicate inside the Parquet decoder (late
+    /// materialisation) in addition to the exact filter.
+    pub pushdown_filters: bool,
+    /// Target rows per shipped batch.
+    pub batch_rows: usize,
+    /// Upper bound on cached decoded fragments; the cache is emptied when full.
+    /// A fragment is a few kilobytes, so 1024 entries stay under a few megabytes.
+    pub fragment_cache_entries_max: usize,
+}
+
+impl Default for ExecuteOptions {
+    fn default() -> Self {
+        Self { pushdown_filters: false, batch_rows: 8192, fragment_cache_entries_max: 1024 }
+    }
+}
+
+/// Runs fragments over the slices of one node's catalog.
+#[derive(Debug)]
+pub struct SliceExecutor {
+    catalog: Arc<NodeCatalog>,
+    task_context: Arc<TaskContext>,
+    store: Arc<dyn ObjectStore>,
+    options: ExecuteOptions,
+    cache: Mutex<HashMap<(String, u64), Arc<DecodedBody>>>,
+    fragments_decoded: AtomicU64,
+}
+
+impl SliceExecutor {
+    /// An executor over `catalog`.
+    pub fn new(catalog: Arc<NodeCatalog>, options: ExecuteOptions) -> Self {
+        let context = SessionContext::new();
+        Self {
+            catalog,
+            task_context: context.task_ctx(),
+            store: Arc::new(LocalFileSystem::new()),
+            options,
+            cache: Mutex::new(HashMap::new()),
+            fragments_decoded: AtomicU64::new(0),
+        }
+    }
+
+    /// The catalog this executor serves.
+    pub fn catalog(&self) -> &Arc<NodeCatalog> {
+        &self.catalog
+    }
+
+    /// How many fragment bodies have been decoded (cache misses).
+    pub fn fragments_decoded(&self) -> u64 {
+        self.fragments_decoded.load(Ordering::Relaxed)
+    }
+
+    /// Decode a ticket (an encoded [`FragmentEnvelope`]) and start running it.
+    /// Every failure here is a clear error about the request; nothing panics.
+    pub async fn execute(&self, ticket: &[u8]) -> Result<SliceStream> {
+        let envelope = FragmentEnvelope::decode_checked(ticket)?;
+        let (table, slice) = self.catalog.slice(&envelope.table, envelope.slice)?;
+        let schema = Arc::clone(&table.schema);
+        let slice = Arc::clone(slice);
+        let body = self.decoded_body(&envelope, &schema)?;
+
+        let mut needed: Vec<usize> = body.projection.clone();
+        if let Some(predicate) = &body.predicate {
+            needed.extend(collect_columns(predicate).iter().map(Column::index));
+        }
+        needed.sort_unstable();
+        needed.dedup();
+
+        let hints = {
+            let (slice, schema, needed, predicate) =
+                (Arc::clone(&slice), Arc::clone(&schema), needed.clone(), body.predicate.clone());
+            tokio::task::spawn_blocking(move || MatchHints::compute(&slice, &schema, &needed, predicate.as_ref()))
+                .await
+                .map_err(|error| internal_datafusion_err!("coarse stage task failed: {error}"))??
+        };
+
+        let mut source = ParquetSource::new(Arc::clone(&schema))
+            .with_parquet_file_reader_factory(Arc::new(SliceReaderFactory {
+                store: Arc::clone(&self.store),
+                slice: Arc::clone(&slice),
+            }))
+            .with_enable_page_index(false)
+            .with_bloom_filter_on_read(false);
+        if self.options.pushdown_filters {
+            if let Some(predicate) = &body.predicate {
+                source = source.with_predicate(Arc::clone(predicate)).with_pushdown_filters(true);
+            }
+        }
+        let file = PartitionedFile::new(slice.object_path.to_string(), slice.summary.bytes)
+            .with_extension(hints.access_plan.clone());
+        let config = FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source))
+            .with_file(file)
+            .with_projection_indices(Some(needed.clone()))?
+            .with_batch_size(Some(self.options.batch_rows))
+            .build();
+        let scan: Arc<dyn ExecutionPlan> = DataSourceExec::from_data_source(config);
+        let shipped: Vec<usize> = body
+            .projection
+            .iter()
+            .map(|column| needed.binary_search(column).expect("needed holds every projected column"))
+            .collect();
+        let plan: Arc<dyn ExecutionPlan> = match &body.predicate {
+            Some(predicate) => {
+                let predicate = reassign_expr_columns(Arc::clone(predicate), &scan.schema())?;
+                Arc::new(
+                    FilterExecBuilder::new(predicate, scan)
+                        .apply_projection(Some(shipped))?
+                        .with_batch_size(self.options.batch_rows)
+                        .build()?,
+                )
+            }
+            None if shipped.iter().copied().eq(0..needed.len()) => scan,
+            None => {
+                let input_schema = scan.schema();
+                let expressions: Vec<(Arc<dyn PhysicalExpr>, String)> = shipped
+                    .iter()
+                    .map(|&index| {
+                        let name = input_schema.field(index).name().clone();
+                        (Arc::new(Column::new(&name, index)) as Arc<dyn PhysicalExpr>, name)
+                    })
+                    .collect();
+                Arc::new(ProjectionExec::try_new(expressions, scan)?)
+            }
+        };
+        let inner = plan.execute(0, Arc::clone(&self.task_context))?;
+        Ok(SliceStream {
+            schema: plan.schema(),
+            inner,
+            plan,
+            hints,
+            cpu_nanos: 0,
+            rows_returned: 0,
+        })
+    }
+
+    fn decoded_body(&self, envelope: &FragmentEnvelope, schema: &SchemaRef) -> Result<Arc<DecodedBody>> {
+        let mut hasher = DefaultHasher::new();
+        envelope.body.hash(&mut hasher);
+        let key = (envelope.table.clone(), hasher.finish());
+        if let Some(found) = self.cache.lock().expect("cache lock is never poisoned").get(&key) {
+            return Ok(Arc::clone(found));
+        }
+        let body = Arc::new(DecodedBody::decode(&envelope.body, schema, &self.task_context)?);
+        self.fragments_decoded.fetch_add(1, Ordering::Relaxed);
+        let mut cache = self.cache.lock().expect("cache lock is never poisoned");
+        if cache.len() >= self.options.fragment_cache_entries_max {
+            cache.clear();
+        }
+        cache.insert(key, Arc::clone(&body));
+        Ok(body)
+    }
+}
+
+/// The batches of one slice through its fragment, with what it cost.
+pub struct SliceStream {
+    schema: SchemaRef,
+    inner: SendableRecordBatchStream,
+    plan: Arc<dyn ExecutionPlan>,
+    hints: MatchHints,
+    cpu_nanos: u64,
+    rows_returned: u64,
+}
+
+impl std::fmt::Debug for SliceStream {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("SliceStream").field("schema", &self.schema).finish_non_exhaustive()
+    }
+}
+
+impl SliceStream {
+    /// Schema of the shipped batches.
+    pub fn schema(&self) -> SchemaRef {
+        Arc::clone(&self.schema)
+    }
+
+    /// What the node did so far (complete once the stream has ended).
+    pub fn metrics(&self) -> SliceMetrics {
+        let bytes_scanned: usize = collect_metric(&self.plan, "bytes_scanned");
+        SliceMetrics {
+            bytes_read: bytes_scanned as u64 + self.hints.bloom_filter_bytes_read,
+            pages_considered: self.hints.pages_considered,
+            pages_skipped_statistics: self.hints.pages_skipped_statistics,
+            pages_skipped_page_index: self.hints.pages_skipped_page_index,
+            pages_skipped_bloom_filter: self.hints.pages_skipped_bloom_filter,
+            rows_scanned: self.hints.rows_selected,
+            rows_returned: self.rows_returned,
+            cpu_nanos: self.cpu_nanos,
+            processed: true,
+        }
+    }
+}
+
+fn collect_metric(plan: &Arc<dyn ExecutionPlan>, name: &str) -> usize {
+    let own = plan
+        .metrics()
+        .and_then(|metrics| metrics.sum_by_name(name))
+        .map(|value| value.as_usize())
+        .unwrap_or(0);
+    own + plan.children().iter().map(|child| collect_metric(child, name)).sum::<usize>()
+}
+
+impl Stream for SliceStream {
+    type Item = Result<RecordBatch>;
+
+    fn poll_next(mut self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let started = thread_cpu_nanos();
+        let polled = self.inner.as_mut().poll_next(context);
+        let spent = thread_cpu_nanos().saturating_sub(started);
+        self.cpu_nanos += spent;
+        if let Poll::Ready(Some(Ok(batch))) = &polled {
+            self.rows_returned += batch.num_rows() as u64;
+        }
+        polled
+    }
+}

@@ -1,0 +1,217 @@
+//! The Arrow Flight face of a storage node.
+//!
+//! `ListFlights` describes the catalog: one `FlightInfo` per table, carrying
+//! the Arrow schema, and one endpoint per slice whose `app_metadata` is the
+//! slice's JSON [`sieve_format::SliceSummary`] and whose location is the
+//! slice's byte-range URL. `DoGet` takes an encoded
+//! [`sieve_fragment::FragmentEnvelope`] as its ticket and streams the slice's
+//! batches (Arrow IPC, LZ4-compressed), followed by one body-less message
+//! whose `app_metadata` is the encoded [`sieve_fragment::SliceMetrics`].
+//!
+//! Errors keep their kind across the wire: a bad request is
+//! `InvalidArgument`, an unknown table or slice is `NotFound`, a failure
+//! while executing is `Internal`. A panic while executing a fragment is caught
+//! and sent as `Internal`; it never takes the node down.
+
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use arrow::ipc::writer::IpcWriteOptions;
+use arrow::ipc::CompressionType;
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::error::FlightError;
+use arrow_flight::flight_service_server::FlightService;
+use arrow_flight::{
+    Action, ActionType, Criteria, Empty, FlightData, FlightDescriptor, FlightEndpoint, FlightInfo,
+    HandshakeRequest, HandshakeResponse, PollInfo, PutResult, SchemaResult, Ticket,
+};
+use datafusion::common::DataFusionError;
+use futures::stream;
+use futures::{FutureExt, Stream, StreamExt, TryStreamExt};
+use prost::Message;
+use sieve_fragment::{FragmentEnvelope, SliceMetrics};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::SliceExecutor;
+
+/// The Flight service of one storage node.
+#[derive(Debug, Clone)]
+pub struct StorageFlightService {
+    executor: Arc<SliceExecutor>,
+    range_base_url: String,
+}
+
+impl StorageFlightService {
+    /// A service over `executor`; slice files are announced at
+    /// `range_base_url` (e.g. `http://127.0.0.1:8080`).
+    pub fn new(executor: Arc<SliceExecutor>, range_base_url: String) -> Self {
+        Self { executor, range_base_url }
+    }
+
+    fn flight_infos(&self) -> Result<Vec<FlightInfo>, Status> {
+        let catalog = self.executor.catalog();
+        let mut infos = Vec::new();
+        for (name, table) in catalog.tables() {
+            let mut info = FlightInfo::new()
+                .try_with_schema(&table.schema)
+                .map_err(|error| Status::internal(error.to_string()))?
+                .with_descriptor(FlightDescriptor::new_path(vec![name.clone()]));
+            let (mut rows, mut bytes) = (0u64, 0u64);
+            for slice in table.slices.values() {
+                rows += slice.summary.rows;
+                bytes += slice.summary.bytes;
+                let summary = serde_json::to_vec(&slice.summary).map_err(|error| Status::internal(error.to_string()))?;
+                info = info.with_endpoint(
+                    FlightEndpoint::new()
+                        .with_location(format!("{}/slices/{name}/{}", self.range_base_url, slice.summary.file))
+                        .with_app_metadata(summary),
+                );
+            }
+            infos.push(info.with_total_records(rows as i64).with_total_bytes(bytes as i64));
+        }
+        Ok(infos)
+    }
+}
+
+/// Map a DataFusion error to a gRPC status of the matching kind.
+fn to_status(error: DataFusionError) -> Status {
+    match error.find_root() {
+        DataFusionError::Plan(message) => Status::invalid_argument(message.clone()),
+        DataFusionError::ResourcesExhausted(message) => Status::resource_exhausted(message.clone()),
+        _ => Status::internal(error.to_string()),
+    }
+}
+
+type BoxedFlightStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl FlightService for StorageFlightService {
+    type HandshakeStream = BoxedFlightStream<HandshakeResponse>;
+    type ListFlightsStream = BoxedFlightStream<FlightInfo>;
+    type DoGetStream = BoxedFlightStream<FlightData>;
+    type DoPutStream = BoxedFlightStream<PutResult>;
+    type DoActionStream = BoxedFlightStream<arrow_flight::Result>;
+    type ListActionsStream = BoxedFlightStream<ActionType>;
+    type DoExchangeStream = BoxedFlightStream<FlightData>;
+
+    async fn handshake(
+        &self,
+        _request: Request<Streaming<HandshakeRequest>>,
+    ) -> Result<Response<Self::HandshakeStream>, Status> {
+        Err(Status::unimplemented("handshake: Sieve storage nodes need no authentication on a private network"))
+    }
+
+    async fn list_flights(&self, _request: Request<Criteria>) -> Result<Response<Self::ListFlightsStream>, Status> {
+        let infos = self.flight_infos()?;
+        Ok(Response::new(Box::pin(stream::iter(infos.into_iter().map(Ok)))))
+    }
+
+    async fn get_flight_info(&self, request: Request<FlightDescriptor>) -> Result<Response<FlightInfo>, Status> {
+        let descriptor = request.into_inner();
+        let name = descriptor.path.first().cloned().unwrap_or_default();
+        self.executor.catalog().table(&name).map_err(|error| Status::not_found(error.to_string()))?;
+        let info = self
+            .flight_infos()?
+            .into_iter()
+            .find(|info| info.flight_descriptor.as_ref().is_some_and(|found| found.path == descriptor.path))
+            .ok_or_else(|| Status::not_found(format!("table '{name}' is not held by this storage node")))?;
+        Ok(Response::new(info))
+    }
+
+    async fn poll_flight_info(&self, _request: Request<FlightDescriptor>) -> Result<Response<PollInfo>, Status> {
+        Err(Status::unimplemented("poll_flight_info is not supported"))
+    }
+
+    async fn get_schema(&self, request: Request<FlightDescriptor>) -> Result<Response<SchemaResult>, Status> {
+        let descriptor = request.into_inner();
+        let name = descriptor.path.first().cloned().unwrap_or_default();
+        let table = self.executor.catalog().table(&name).map_err(|error| Status::not_found(error.to_string()))?;
+        let options = IpcWriteOptions::default();
+        let result = arrow_flight::SchemaAsIpc::new(&table.schema, &options)
+            .try_into()
+            .map_err(|error: arrow::error::ArrowError| Status::internal(error.to_string()))?;
+        Ok(Response::new(result))
+    }
+
+    async fn do_get(&self, request: Request<Ticket>) -> Result<Response<Self::DoGetStream>, Status> {
+        let ticket = request.into_inner().ticket;
+        let envelope = FragmentEnvelope::decode_checked(&ticket).map_err(to_status)?;
+        self.executor
+            .catalog()
+            .slice(&envelope.table, envelope.slice)
+            .map_err(|error| Status::not_found(error.find_root().message().into_owned()))?;
+        let executed = AssertUnwindSafe(self.executor.execute(&ticket)).catch_unwind().await;
+        let slice_stream = match executed {
+            Ok(result) => result.map_err(to_status)?,
+            Err(_) => return Err(Status::internal("storage node failed while planning the fragment (panic caught)")),
+        };
+        let schema = slice_stream.schema();
+        let metrics_slot: Arc<Mutex<Option<SliceMetrics>>> = Arc::new(Mutex::new(None));
+        let batches = FinishingStream { inner: Some(slice_stream), slot: Arc::clone(&metrics_slot) };
+        let batches = AssertUnwindSafe(batches).catch_unwind().map(|item| match item {
+            Ok(Ok(batch)) => Ok(batch),
+            Ok(Err(error)) => Err(FlightError::Tonic(Box::new(to_status(error)))),
+            Err(_) => Err(FlightError::Tonic(Box::new(Status::internal(
+                "storage node failed while executing the fragment (panic caught)",
+            )))),
+        });
+        let options = IpcWriteOptions::default()
+            .try_with_compression(Some(CompressionType::LZ4_FRAME))
+            .map_err(|error| Status::internal(error.to_string()))?;
+        let encoded = FlightDataEncoderBuilder::new().with_schema(schema).with_options(options).build(batches);
+        let trailer = stream::once(async move {
+            let metrics = metrics_slot.lock().expect("metrics lock is never poisoned").take().unwrap_or_default();
+            Ok(FlightData::new().with_app_metadata(metrics.encode_to_vec()))
+        });
+        let output = encoded.chain(trailer).map_err(|error: FlightError| match error {
+            FlightError::Tonic(status) => *status,
+            other => Status::internal(other.to_string()),
+        });
+        Ok(Response::new(Box::pin(output)))
+    }
+
+    async fn do_put(&self, _request: Request<Streaming<FlightData>>) -> Result<Response<Self::DoPutStream>, Status> {
+        Err(Status::unimplemented("do_put: slices are loaded with `sieve gen`"))
+    }
+
+    async fn do_action(&self, request: Request<Action>) -> Result<Response<Self::DoActionStream>, Status> {
+        Err(Status::unimplemented(format!("action '{}' is not supported", request.into_inner().r#type)))
+    }
+
+    async fn list_actions(&self, _request: Request<Empty>) -> Result<Response<Self::ListActionsStream>, Status> {
+        Ok(Response::new(Box::pin(stream::empty())))
+    }
+
+    async fn do_exchange(
+        &self,
+        _request: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoExchangeStream>, Status> {
+        Err(Status::unimplemented("do_exchange is not supported"))
+    }
+}
+
+/// Passes a slice's batches through and, when they end, leaves the slice's
+/// metrics in `slot` for the trailer message.
+struct FinishingStream {
+    inner: Option<crate::execute::SliceStream>,
+    slot: Arc<Mutex<Option<SliceMetrics>>>,
+}
+
+impl Stream for FinishingStream {
+    type Item = datafusion::common::Result<arrow::record_batch::RecordBatch>;
+
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        context: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let Some(inner) = self.inner.as_mut() else { return std::task::Poll::Ready(None) };
+        let polled = inner.poll_next_unpin(context);
+        if let std::task::Poll::Ready(None) = polled {
+            let finished = self.inner.take().expect("checked above");
+            *self.slot.lock().expect("metrics lock is never poisoned") = Some(finished.metrics());
+        }
+        polled
+    }
+}
+

@@ -1,0 +1,131 @@
+//! The byte-range endpoint: slice files over HTTP, for readers that do their
+//! own filtering (Sieve with NDP off, DuckDB's httpfs).
+//!
+//! `GET /slices/{table}/{file}` with an optional `Range: bytes=a-b` header;
+//! only files the catalog names are served, so no path can escape the data
+//! directory.
+
+use std::io::SeekFrom;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use tokio::io::{AsyncReadExt, AsyncSeekExt};
+
+use crate::NodeCatalog;
+
+/// Upper bound on one range response. DataFusion asks for column chunks and
+/// coalesced page runs, well below this; a larger request is refused rather
+/// than buffered.
+const RANGE_BYTES_MAX: u64 = 512 * 1024 * 1024;
+
+#[derive(Debug, Clone)]
+pub(crate) struct RangeState {
+    pub(crate) catalog: Arc<NodeCatalog>,
+    pub(crate) bytes_served: Arc<AtomicU64>,
+}
+
+pub(crate) fn router(state: RangeState) -> Router {
+    Router::new().route("/slices/{table}/{file}", get(serve).head(serve)).with_state(state)
+}
+
+async fn serve(
+    State(state): State<RangeState>,
+    Path((table, file)): Path<(String, String)>,
+    method: axum::http::Method,
+    headers: HeaderMap,
+) -> Response {
+    match serve_inner(&state, &table, &file, method == axum::http::Method::HEAD, &headers).await {
+        Ok(response) => response,
+        Err((status, message)) => (status, message).into_response(),
+    }
+}
+
+async fn serve_inner(
+    state: &RangeState,
+    table: &str,
+    file: &str,
+    head_only: bool,
+    headers: &HeaderMap,
+) -> Result<Response, (StatusCode, String)> {
+    let slice = state
+        .catalog
+        .slice_by_file(table, file)
+        .ok_or_else(|| (StatusCode::NOT_FOUND, format!("no slice {table}/{file} on this storage node")))?;
+    let size = slice.summary.bytes;
+    let range = match headers.get(header::RANGE) {
+        None => None,
+        Some(value) => Some(parse_range(value, size).ok_or_else(|| {
+            (StatusCode::RANGE_NOT_SATISFIABLE, format!("unsupported or unsatisfiable range {value:?} for {size} bytes"))
+        })?),
+    };
+    let (start, end) = range.unwrap_or((0, size)); // end exclusive
+    let length = end - start;
+    if length > RANGE_BYTES_MAX {
+        return Err((StatusCode::RANGE_NOT_SATISFIABLE, format!("range of {length} bytes is above the limit of {RANGE_BYTES_MAX}")));
+    }
+    let mut builder = Response::builder()
+        .header(header::ACCEPT_RANGES, "bytes")
+        .header(header::CONTENT_LENGTH, length)
+        .header(header::CONTENT_TYPE, "application/vnd.apache.parquet");
+    if range.is_some() {
+        builder = builder
+            .status(StatusCode::PARTIAL_CONTENT)
+            .header(header::CONTENT_RANGE, format!("bytes {start}-{}/{size}", end.saturating_sub(1)));
+    } else {
+        builder = builder.status(StatusCode::OK);
+    }
+    if head_only {
+        return builder.body(Body::empty()).map_err(internal);
+    }
+    let mut handle = tokio::fs::File::open(&slice.path).await.map_err(internal)?;
+    handle.seek(SeekFrom::Start(start)).await.map_err(internal)?;
+    let mut buffer = vec![0u8; length as usize];
+    handle.read_exact(&mut buffer).await.map_err(internal)?;
+    state.bytes_served.fetch_add(length, Ordering::Relaxed);
+    builder.body(Body::from(buffer)).map_err(internal)
+}
+
+fn internal(error: impl std::fmt::Display) -> (StatusCode, String) {
+    (StatusCode::INTERNAL_SERVER_ERROR, error.to_string())
+}
+
+/// Parse `bytes=a-b`, `bytes=a-` or `bytes=-n` into `[start, end)`.
+fn parse_range(value: &HeaderValue, size: u64) -> Option<(u64, u64)> {
+    let spec = value.to_str().ok()?.strip_prefix("bytes=")?;
+    if spec.contains(',') {
+        return None; // multi-range responses are not supported
+    }
+    let (first, last) = spec.split_once('-')?;
+    let (start, end) = if first.is_empty() {
+        let suffix: u64 = last.parse().ok()?;
+        (size.saturating_sub(suffix), size)
+    } else {
+        let start: u64 = first.parse().ok()?;
+        let end = if last.is_empty() { size } else { last.parse::<u64>().ok()?.saturating_add(1).min(size) };
+        (start, end)
+    };
+    (start < end && end <= size).then_some((start, end))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_three_range_forms() {
+        let parse = |text: &str| parse_range(&HeaderValue::from_str(text).unwrap(), 100);
+        assert_eq!(parse("bytes=0-9"), Some((0, 10)));
+        assert_eq!(parse("bytes=90-"), Some((90, 100)));
+        assert_eq!(parse("bytes=-10"), Some((90, 100)));
+        assert_eq!(parse("bytes=95-200"), Some((95, 100)));
+        assert_eq!(parse("bytes=100-120"), None);
+        assert_eq!(parse("bytes=0-1,5-6"), None);
+        assert_eq!(parse("items=0-1"), None);
+    }
+}
