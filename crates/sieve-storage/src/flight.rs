@@ -5,7 +5,7 @@
 //! slice's JSON [`sieve_format::SliceSummary`] and whose location is the
 //! slice's byte-range URL. `DoGet` takes an encoded
 //! [`sieve_fragment::FragmentEnvelope`] as its ticket and streams the slice's
-//! batches (Arrow IPC, LZ4-compressed), followed by one body-less message
+//! batches (Arrow IPC, zstd-compressed), followed by one body-less message
 //! whose `app_metadata` is the encoded [`sieve_fragment::SliceMetrics`].
 //!
 //! Errors keep their kind across the wire: a bad request is
@@ -157,7 +157,7 @@ impl FlightService for StorageFlightService {
             )))),
         });
         let options = IpcWriteOptions::default()
-            .try_with_compression(Some(CompressionType::LZ4_FRAME))
+            .try_with_compression(Some(CompressionType::ZSTD))
             .map_err(|error| Status::internal(error.to_string()))?;
         let encoded = FlightDataEncoderBuilder::new().with_schema(schema).with_options(options).build(batches);
         let trailer = stream::once(async move {

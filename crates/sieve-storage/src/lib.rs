@@ -9,7 +9,7 @@
 //!       coarse stage   match hints from row-group stats, Bloom filters and
 //!                      the page index -> pages that may match      (coarse.rs)
 //!       exact stage    read only those pages, filter, project      (execute.rs)
-//!       stream         Arrow IPC (LZ4), then a SliceMetrics trailer (flight.rs)
+//!       stream         Arrow IPC (zstd), then a SliceMetrics trailer (flight.rs)
 //!   HTTP GET /slices/{table}/{file}      the slice file by byte range, for the
 //!                                        NDP-off baseline and peer engines (range.rs)
 //! ```
