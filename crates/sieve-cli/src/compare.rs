@@ -6,7 +6,9 @@ use arrow::record_batch::RecordBatch;
 use arrow::util::display::{ArrayFormatter, FormatOptions};
 use datafusion::common::Result;
 use datafusion::datasource::file_format::parquet::ParquetFormat;
-use datafusion::datasource::listing::{ListingOptions, ListingTable, ListingTableConfig, ListingTableUrl};
+use datafusion::datasource::listing::{
+    ListingOptions, ListingTable, ListingTableConfig, ListingTableUrl,
+};
 use datafusion::prelude::SessionContext;
 use sieve_format::{node_directory, TPCH_TABLES};
 use std::sync::Arc;
@@ -20,10 +22,14 @@ pub async fn reference_context(root: &Path, nodes: usize) -> Result<SessionConte
         for node in 0..nodes {
             let directory = node_directory(root, node).join(table.name);
             if directory.is_dir() {
-                urls.push(ListingTableUrl::parse(format!("{}/", directory.canonicalize()?.display()))?);
+                urls.push(ListingTableUrl::parse(format!(
+                    "{}/",
+                    directory.canonicalize()?.display()
+                ))?);
             }
         }
-        let options = ListingOptions::new(Arc::new(ParquetFormat::default())).with_file_extension(".parquet");
+        let options =
+            ListingOptions::new(Arc::new(ParquetFormat::default())).with_file_extension(".parquet");
         let config = ListingTableConfig::new_with_multi_paths(urls).with_listing_options(options);
         let config = config.infer_schema(&context.state()).await?;
         context.register_table(table.name, Arc::new(ListingTable::try_new(config)?))?;
@@ -43,7 +49,10 @@ pub fn rows_as_text(batches: &[RecordBatch], sort: bool) -> Result<Vec<String>> 
             .map(|column| ArrayFormatter::try_new(column.as_ref(), &options))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         for row in 0..batch.num_rows() {
-            let cells: Vec<String> = formatters.iter().map(|formatter| formatter.value(row).to_string()).collect();
+            let cells: Vec<String> = formatters
+                .iter()
+                .map(|formatter| formatter.value(row).to_string())
+                .collect();
             rows.push(cells.join(" | "));
         }
     }

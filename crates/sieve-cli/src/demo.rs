@@ -45,11 +45,22 @@ pub struct QueryReport {
 
 /// Generate the data set if missing and return its directory.
 pub fn ensure_data(options: &DemoOptions) -> Result<PathBuf> {
-    let root = options.data_directory.join(format!("tpch-sf{}", options.scale_factor));
+    let root = options
+        .data_directory
+        .join(format!("tpch-sf{}", options.scale_factor));
     if !is_generated(&root) {
-        eprintln!("generating TPC-H SF {} into {} ...", options.scale_factor, root.display());
+        eprintln!(
+            "generating TPC-H SF {} into {} ...",
+            options.scale_factor,
+            root.display()
+        );
         let started = Instant::now();
-        generate_tpch(&root, options.scale_factor, options.nodes, &SliceLayout::default())?;
+        generate_tpch(
+            &root,
+            options.scale_factor,
+            options.nodes,
+            &SliceLayout::default(),
+        )?;
         eprintln!("generated in {:.1}s", started.elapsed().as_secs_f64());
     }
     Ok(root)
@@ -60,7 +71,10 @@ fn median(mut times: Vec<Duration>) -> Duration {
     times[times.len() / 2]
 }
 
-async fn timed(session: &SieveSession, sql: &str) -> Result<(Duration, u64, Vec<arrow::record_batch::RecordBatch>)> {
+async fn timed(
+    session: &SieveSession,
+    sql: &str,
+) -> Result<(Duration, u64, Vec<arrow::record_batch::RecordBatch>)> {
     let before = session.traffic.snapshot();
     let started = Instant::now();
     let batches = run(&session.context, sql).await?;
@@ -120,7 +134,14 @@ fn megabytes(bytes: u64) -> f64 {
 pub fn format_header() -> String {
     format!(
         "| {:<5} | {:>6} | {:>9} | {:>9} | {:>7} | {:>11} | {:>11} | {:>8} |\n|{}|",
-        "query", "rows", "on ms", "off ms", "off/on", "shipped on", "shipped off", "on/off",
+        "query",
+        "rows",
+        "on ms",
+        "off ms",
+        "off/on",
+        "shipped on",
+        "shipped off",
+        "on/off",
         "-------|--------|-----------|-----------|---------|-------------|-------------|----------"
     )
 }

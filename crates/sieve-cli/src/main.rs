@@ -14,7 +14,11 @@ use sieve_format::{generate_tpch, SliceLayout};
 use sieve_storage::{ExecuteOptions, StorageNode, StorageNodeConfig};
 
 #[derive(Parser, Debug)]
-#[command(name = "sieve", version, about = "Sieve: a near-data-processing analytic SQL database")]
+#[command(
+    name = "sieve",
+    version,
+    about = "Sieve: a near-data-processing analytic SQL database"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -95,7 +99,10 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("error: cannot start the runtime: {error}");
@@ -120,23 +127,55 @@ async fn run(cli: Cli) -> Result<()> {
         queries: vec![],
     });
     match command {
-        Command::Demo { sf, nodes, runs, data, queries } => {
-            let options = DemoOptions { scale_factor: sf, nodes, runs, data_directory: data, queries };
+        Command::Demo {
+            sf,
+            nodes,
+            runs,
+            data,
+            queries,
+        } => {
+            let options = DemoOptions {
+                scale_factor: sf,
+                nodes,
+                runs,
+                data_directory: data,
+                queries,
+            };
             let reports = run_demo(&options).await?;
             println!("TPC-H SF {sf} on {nodes} embedded storage nodes (loopback Flight), median of {runs} run(s)");
             println!("{}", format_table(&reports));
             Ok(())
         }
-        Command::Gen { benchmark, sf, out, nodes, slice_rows, page_rows } => {
+        Command::Gen {
+            benchmark,
+            sf,
+            out,
+            nodes,
+            slice_rows,
+            page_rows,
+        } => {
             if benchmark != "tpch" {
-                return datafusion::common::plan_err!("unknown benchmark '{benchmark}' (known: tpch)");
+                return datafusion::common::plan_err!(
+                    "unknown benchmark '{benchmark}' (known: tpch)"
+                );
             }
-            let layout = SliceLayout { slice_rows_max: slice_rows, data_page_rows_max: page_rows, ..SliceLayout::default() };
+            let layout = SliceLayout {
+                slice_rows_max: slice_rows,
+                data_page_rows_max: page_rows,
+                ..SliceLayout::default()
+            };
             generate_tpch(&out, sf, nodes, &layout)?;
-            println!("generated TPC-H SF {sf} into {} ({nodes} node directories)", out.display());
+            println!(
+                "generated TPC-H SF {sf} into {} ({nodes} node directories)",
+                out.display()
+            );
             Ok(())
         }
-        Command::Storage { data, listen, range_listen } => {
+        Command::Storage {
+            data,
+            listen,
+            range_listen,
+        } => {
             let node = StorageNode::start(StorageNodeConfig {
                 data_directory: data.clone(),
                 flight_address: listen,
@@ -154,10 +193,22 @@ async fn run(cli: Cli) -> Result<()> {
             node.stop().await;
             Ok(())
         }
-        Command::Sql { cluster, command, file, sf, data } => {
+        Command::Sql {
+            cluster,
+            command,
+            file,
+            sf,
+            data,
+        } => {
             let mut embedded = None;
             let urls = if cluster.is_empty() {
-                let options = DemoOptions { scale_factor: sf, nodes: 3, runs: 1, data_directory: data, queries: vec![] };
+                let options = DemoOptions {
+                    scale_factor: sf,
+                    nodes: 3,
+                    runs: 1,
+                    data_directory: data,
+                    queries: vec![],
+                };
                 let root = ensure_data(&options)?;
                 let started = EmbeddedCluster::start(&root, 3).await?;
                 let urls = started.urls();
@@ -183,7 +234,11 @@ async fn run(cli: Cli) -> Result<()> {
 
 /// Run each `;`-separated statement and print its result.
 async fn run_statements(context: &datafusion::prelude::SessionContext, sql: &str) -> Result<()> {
-    for statement in sql.split(';').map(str::trim).filter(|statement| !statement.is_empty()) {
+    for statement in sql
+        .split(';')
+        .map(str::trim)
+        .filter(|statement| !statement.is_empty())
+    {
         let batches = context.sql(statement).await?.collect().await?;
         println!("{}", arrow::util::pretty::pretty_format_batches(&batches)?);
     }
@@ -206,7 +261,14 @@ async fn shell(context: &datafusion::prelude::SessionContext) -> Result<()> {
             }
             buffer.clear();
         }
-        print!("{}", if buffer.is_empty() { "sieve> " } else { "   ... " });
+        print!(
+            "{}",
+            if buffer.is_empty() {
+                "sieve> "
+            } else {
+                "   ... "
+            }
+        );
         let _ = std::io::stdout().flush();
     }
     println!();

@@ -25,18 +25,27 @@ fn test_data() -> PathBuf {
     }
     let staging = root.with_extension(format!("staging-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&staging);
-    let layout = SliceLayout { slice_rows_max: 5000, ..SliceLayout::default() };
+    let layout = SliceLayout {
+        slice_rows_max: 5000,
+        ..SliceLayout::default()
+    };
     generate_tpch(&staging, SCALE_FACTOR, NODES, &layout).expect("generate TPC-H");
     if std::fs::rename(&staging, &root).is_err() {
         let _ = std::fs::remove_dir_all(&staging);
     }
-    assert!(is_generated(&root), "test data at {} is complete", root.display());
+    assert!(
+        is_generated(&root),
+        "test data at {} is complete",
+        root.display()
+    );
     root
 }
 
 async fn start() -> (PathBuf, EmbeddedCluster, SieveSession) {
     let root = test_data();
-    let cluster = EmbeddedCluster::start(&root, NODES).await.expect("start storage nodes");
+    let cluster = EmbeddedCluster::start(&root, NODES)
+        .await
+        .expect("start storage nodes");
     let session = connect_session(&cluster.urls()).await.expect("connect");
     (root, cluster, session)
 }
@@ -44,16 +53,29 @@ async fn start() -> (PathBuf, EmbeddedCluster, SieveSession) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tpch_queries_match_plain_datafusion_with_ndp_on_and_off() {
     let (root, _cluster, session) = start().await;
-    let reference = reference_context(&root, NODES).await.expect("reference context");
+    let reference = reference_context(&root, NODES)
+        .await
+        .expect("reference context");
     for (name, sql) in TPCH_QUERIES {
-        let expected = rows_as_text(&run(&reference, sql).await.expect(name), !is_ordered(sql)).unwrap();
+        let expected =
+            rows_as_text(&run(&reference, sql).await.expect(name), !is_ordered(sql)).unwrap();
         for on in [true, false] {
             session.set_ndp(on).unwrap();
-            let batches = run(&session.context, sql).await.unwrap_or_else(|error| panic!("{name} (ndp {on}): {error}"));
+            let batches = run(&session.context, sql)
+                .await
+                .unwrap_or_else(|error| panic!("{name} (ndp {on}): {error}"));
             let actual = rows_as_text(&batches, !is_ordered(sql)).unwrap();
-            assert_eq!(actual, expected, "{name} with NDP {} differs from plain DataFusion", if on { "on" } else { "off" });
+            assert_eq!(
+                actual,
+                expected,
+                "{name} with NDP {} differs from plain DataFusion",
+                if on { "on" } else { "off" }
+            );
         }
-        assert!(!expected.is_empty() || name == "q20" || name == "q21", "{name} returned no rows at SF 0.01");
+        assert!(
+            !expected.is_empty() || name == "q20" || name == "q21",
+            "{name} returned no rows at SF 0.01"
+        );
     }
 }
 
@@ -67,7 +89,10 @@ fn find_scans(plan: &Arc<dyn ExecutionPlan>, found: &mut Vec<Arc<dyn ExecutionPl
 }
 
 fn metric(plan: &Arc<dyn ExecutionPlan>, name: &str) -> usize {
-    plan.metrics().and_then(|metrics| metrics.sum_by_name(name)).map(|value| value.as_usize()).unwrap_or(0)
+    plan.metrics()
+        .and_then(|metrics| metrics.sum_by_name(name))
+        .map(|value| value.as_usize())
+        .unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -75,27 +100,52 @@ async fn storage_node_skips_pages_for_a_selective_range_on_a_sorted_column() {
     let (_root, cluster, session) = start().await;
     let sql = "select l_orderkey, l_partkey, l_quantity from lineitem where l_orderkey < 100";
     session.set_ndp(true).unwrap();
-    let plan = session.context.sql(sql).await.unwrap().create_physical_plan().await.unwrap();
-    let batches = collect(Arc::clone(&plan), session.context.task_ctx()).await.unwrap();
+    let plan = session
+        .context
+        .sql(sql)
+        .await
+        .unwrap()
+        .create_physical_plan()
+        .await
+        .unwrap();
+    let batches = collect(Arc::clone(&plan), session.context.task_ctx())
+        .await
+        .unwrap();
     let mut scans = Vec::new();
     find_scans(&plan, &mut scans);
     assert_eq!(scans.len(), 1, "one Sieve scan in {plan:?}");
     let considered = metric(&scans[0], "pages_considered");
     let read = metric(&scans[0], "pages_read");
     assert!(considered > 20, "lineitem spans many pages ({considered})");
-    assert!(read * 10 < considered, "read {read} of {considered} pages: not under 10%");
+    assert!(
+        read * 10 < considered,
+        "read {read} of {considered} pages: not under 10%"
+    );
     assert!(metric(&scans[0], "bytes_shipped") > 0);
 
     session.set_ndp(false).unwrap();
     let off = run(&session.context, sql).await.unwrap();
-    assert_eq!(rows_as_text(&batches, true).unwrap(), rows_as_text(&off, true).unwrap());
+    assert_eq!(
+        rows_as_text(&batches, true).unwrap(),
+        rows_as_text(&off, true).unwrap()
+    );
     assert!(!off.is_empty());
 
     // The fragment is decoded once per node, not once per slice.
-    let decoded: u64 = cluster.nodes.iter().map(|node| node.executor().fragments_decoded()).sum();
+    let decoded: u64 = cluster
+        .nodes
+        .iter()
+        .map(|node| node.executor().fragments_decoded())
+        .sum();
     let slices = metric(&scans[0], "slices");
-    assert!(slices > NODES, "lineitem has more slices ({slices}) than nodes");
-    assert!(decoded <= NODES as u64, "{decoded} decodes for {slices} slices");
+    assert!(
+        slices > NODES,
+        "lineitem has more slices ({slices}) than nodes"
+    );
+    assert!(
+        decoded <= NODES as u64,
+        "{decoded} decodes for {slices} slices"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -103,18 +153,42 @@ async fn explain_names_what_was_pushed() {
     let (_root, _cluster, session) = start().await;
     session.set_ndp(true).unwrap();
     let sql = "explain select l_orderkey from lineitem where l_shipdate > date '1998-01-01' and l_quantity < 5";
-    let text = rows_as_text(&run(&session.context, sql).await.unwrap(), false).unwrap().join("\n");
+    let text = rows_as_text(&run(&session.context, sql).await.unwrap(), false)
+        .unwrap()
+        .join("\n");
     assert!(text.contains("SieveScanExec: table=lineitem"), "{text}");
-    let pushed = text.split("pushed filter: ").nth(1).expect("a pushed filter");
-    assert!(pushed.contains("l_shipdate") && pushed.contains("l_quantity"), "{text}");
+    let pushed = text
+        .split("pushed filter: ")
+        .nth(1)
+        .expect("a pushed filter");
+    assert!(
+        pushed.contains("l_shipdate") && pushed.contains("l_quantity"),
+        "{text}"
+    );
     assert!(text.contains("pushed columns: [l_orderkey]"), "{text}");
 
     session.set_ndp(false).unwrap();
-    let text = rows_as_text(&run(&session.context, sql).await.unwrap(), false).unwrap().join("\n");
+    let text = rows_as_text(&run(&session.context, sql).await.unwrap(), false)
+        .unwrap()
+        .join("\n");
     assert!(!text.contains("SieveScanExec"), "{text}");
     assert!(text.contains("DataSourceExec"), "{text}");
 
-    session.context.sql("set sieve.ndp = maybe").await.unwrap().collect().await.unwrap();
-    let error = run(&session.context, "select count(*) from region").await.expect_err("bad setting refused");
-    assert!(error.to_string().contains("sieve.ndp must be 'on' or 'off'"), "{error}");
+    session
+        .context
+        .sql("set sieve.ndp = maybe")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let error = run(&session.context, "select count(*) from region")
+        .await
+        .expect_err("bad setting refused");
+    assert!(
+        error
+            .to_string()
+            .contains("sieve.ndp must be 'on' or 'off'"),
+        "{error}"
+    );
 }

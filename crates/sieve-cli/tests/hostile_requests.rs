@@ -23,7 +23,16 @@ fn test_data() -> PathBuf {
     if !is_generated(&root) {
         let staging = root.with_extension(format!("staging-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&staging);
-        generate_tpch(&staging, 0.01, 1, &SliceLayout { slice_rows_max: 20_000, ..SliceLayout::default() }).unwrap();
+        generate_tpch(
+            &staging,
+            0.01,
+            1,
+            &SliceLayout {
+                slice_rows_max: 20_000,
+                ..SliceLayout::default()
+            },
+        )
+        .unwrap();
         if std::fs::rename(&staging, &root).is_err() {
             let _ = std::fs::remove_dir_all(&staging);
         }
@@ -39,15 +48,32 @@ struct Fixture {
 
 async fn fixture() -> Fixture {
     let cluster = EmbeddedCluster::start(&test_data(), 1).await.unwrap();
-    let channel = tonic::transport::Endpoint::from_shared(cluster.urls()[0].clone()).unwrap().connect().await.unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(cluster.urls()[0].clone())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
     let client = FlightServiceClient::new(channel);
-    let schema = cluster.nodes[0].executor().catalog().table("region").unwrap().schema.clone();
-    Fixture { _cluster: cluster, client, schema }
+    let schema = cluster.nodes[0]
+        .executor()
+        .catalog()
+        .table("region")
+        .unwrap()
+        .schema
+        .clone();
+    Fixture {
+        _cluster: cluster,
+        client,
+        schema,
+    }
 }
 
 /// Send `ticket` and return the status the node answers with (first error
 /// of the call or of the stream), or None if the whole stream succeeded.
-async fn status_of(client: &mut FlightServiceClient<tonic::transport::Channel>, ticket: Vec<u8>) -> Option<tonic::Status> {
+async fn status_of(
+    client: &mut FlightServiceClient<tonic::transport::Channel>,
+    ticket: Vec<u8>,
+) -> Option<tonic::Status> {
     match client.do_get(Ticket::new(ticket)).await {
         Err(status) => Some(status),
         Ok(response) => {
@@ -64,34 +90,64 @@ async fn status_of(client: &mut FlightServiceClient<tonic::transport::Channel>, 
 
 /// A valid request for region's slice 1: all columns, no predicate.
 fn valid_ticket(schema: &arrow::datatypes::Schema) -> Vec<u8> {
-    let body = Fragment { projection: (0..schema.fields().len()).collect(), predicate: None }.encode_body(schema).unwrap();
+    let body = Fragment {
+        projection: (0..schema.fields().len()).collect(),
+        predicate: None,
+    }
+    .encode_body(schema)
+    .unwrap();
     FragmentEnvelope::new("region", 1, body).encode_to_vec()
 }
 
 async fn assert_still_serving(fixture: &mut Fixture) {
-    let listed = fixture.client.list_flights(Criteria::default()).await.expect("catalog still served");
+    let listed = fixture
+        .client
+        .list_flights(Criteria::default())
+        .await
+        .expect("catalog still served");
     assert!(listed.into_inner().next().await.is_some());
-    assert!(status_of(&mut fixture.client, valid_ticket(&fixture.schema)).await.is_none(), "valid request still served");
+    assert!(
+        status_of(&mut fixture.client, valid_ticket(&fixture.schema))
+            .await
+            .is_none(),
+        "valid request still served"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_fragment_is_refused() {
     let mut fixture = fixture().await;
-    let status = status_of(&mut fixture.client, vec![0xff, 0x13, 0x37, 0x00, 0x42]).await.expect("refused");
+    let status = status_of(&mut fixture.client, vec![0xff, 0x13, 0x37, 0x00, 0x42])
+        .await
+        .expect("refused");
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
-    assert!(status.message().contains("malformed NDP fragment"), "{status:?}");
+    assert!(
+        status.message().contains("malformed NDP fragment"),
+        "{status:?}"
+    );
 
     let mut envelope = FragmentEnvelope::new("region", 1, vec![1, 2, 3]);
     envelope.version = 99;
-    let status = status_of(&mut fixture.client, envelope.encode_to_vec()).await.expect("refused");
-    assert_eq!(status.code(), Code::InvalidArgument);
-    assert!(status.message().contains("version 99 is not supported"), "{status:?}");
-
-    let status = status_of(&mut fixture.client, FragmentEnvelope::new("region", 1, vec![0xff; 7]).encode_to_vec())
+    let status = status_of(&mut fixture.client, envelope.encode_to_vec())
         .await
         .expect("refused");
     assert_eq!(status.code(), Code::InvalidArgument);
-    assert!(status.message().contains("malformed NDP fragment body"), "{status:?}");
+    assert!(
+        status.message().contains("version 99 is not supported"),
+        "{status:?}"
+    );
+
+    let status = status_of(
+        &mut fixture.client,
+        FragmentEnvelope::new("region", 1, vec![0xff; 7]).encode_to_vec(),
+    )
+    .await
+    .expect("refused");
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().contains("malformed NDP fragment body"),
+        "{status:?}"
+    );
     assert_still_serving(&mut fixture).await;
 }
 
@@ -103,50 +159,109 @@ async fn fragment_with_a_disallowed_function_is_refused() {
     let random = datafusion::functions::math::expr_fn::random();
     let predicate = context
         .state()
-        .create_physical_expr(random.lt(lit(0.5)).and(col("r_regionkey").gt(lit(0i64))), &df_schema)
+        .create_physical_expr(
+            random.lt(lit(0.5)).and(col("r_regionkey").gt(lit(0i64))),
+            &df_schema,
+        )
         .unwrap();
     // The compute side refuses to encode it...
-    let refused = Fragment { projection: vec![0], predicate: Some(Arc::clone(&predicate)) }.encode_body(&fixture.schema);
-    assert!(refused.unwrap_err().to_string().contains("function random() is not allowed"));
+    let refused = Fragment {
+        projection: vec![0],
+        predicate: Some(Arc::clone(&predicate)),
+    }
+    .encode_body(&fixture.schema);
+    assert!(refused
+        .unwrap_err()
+        .to_string()
+        .contains("function random() is not allowed"));
     // ...and a hand-built one is refused by the storage node.
     let body = FragmentBody {
         schema_fingerprint: schema_fingerprint(&fixture.schema),
         projection: vec![0],
-        predicate: Some(serialize_physical_expr(&predicate, &DefaultPhysicalExtensionCodec {}).unwrap()),
+        predicate: Some(
+            serialize_physical_expr(&predicate, &DefaultPhysicalExtensionCodec {}).unwrap(),
+        ),
     };
     let ticket = FragmentEnvelope::new("region", 1, body.encode_to_vec()).encode_to_vec();
-    let status = status_of(&mut fixture.client, ticket).await.expect("refused");
+    let status = status_of(&mut fixture.client, ticket)
+        .await
+        .expect("refused");
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
-    assert!(status.message().contains("function random() is not allowed"), "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("function random() is not allowed"),
+        "{status:?}"
+    );
     assert_still_serving(&mut fixture).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_table_is_refused() {
     let mut fixture = fixture().await;
-    let body = Fragment { projection: vec![0], predicate: None }.encode_body(&fixture.schema).unwrap();
-    let status = status_of(&mut fixture.client, FragmentEnvelope::new("../../etc/passwd", 1, body).encode_to_vec())
-        .await
-        .expect("refused");
+    let body = Fragment {
+        projection: vec![0],
+        predicate: None,
+    }
+    .encode_body(&fixture.schema)
+    .unwrap();
+    let status = status_of(
+        &mut fixture.client,
+        FragmentEnvelope::new("../../etc/passwd", 1, body).encode_to_vec(),
+    )
+    .await
+    .expect("refused");
     assert_eq!(status.code(), Code::NotFound, "{status:?}");
-    assert!(status.message().contains("table '../../etc/passwd' is not held by this storage node"), "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("table '../../etc/passwd' is not held by this storage node"),
+        "{status:?}"
+    );
     assert_still_serving(&mut fixture).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slice_outside_the_catalog_is_refused() {
     let mut fixture = fixture().await;
-    let body = Fragment { projection: vec![0], predicate: None }.encode_body(&fixture.schema).unwrap();
-    let status = status_of(&mut fixture.client, FragmentEnvelope::new("region", 4242, body).encode_to_vec())
-        .await
-        .expect("refused");
+    let body = Fragment {
+        projection: vec![0],
+        predicate: None,
+    }
+    .encode_body(&fixture.schema)
+    .unwrap();
+    let status = status_of(
+        &mut fixture.client,
+        FragmentEnvelope::new("region", 4242, body).encode_to_vec(),
+    )
+    .await
+    .expect("refused");
     assert_eq!(status.code(), Code::NotFound, "{status:?}");
-    assert!(status.message().contains("slice 4242 of table 'region' is not held"), "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("slice 4242 of table 'region' is not held"),
+        "{status:?}"
+    );
 
     // A fragment planned against another schema is refused too.
-    let other = arrow::datatypes::Schema::new(vec![arrow::datatypes::Field::new("x", arrow::datatypes::DataType::Int64, false)]);
-    let body = Fragment { projection: vec![0], predicate: None }.encode_body(&other).unwrap();
-    let status = status_of(&mut fixture.client, FragmentEnvelope::new("region", 1, body).encode_to_vec()).await.expect("refused");
+    let other = arrow::datatypes::Schema::new(vec![arrow::datatypes::Field::new(
+        "x",
+        arrow::datatypes::DataType::Int64,
+        false,
+    )]);
+    let body = Fragment {
+        projection: vec![0],
+        predicate: None,
+    }
+    .encode_body(&other)
+    .unwrap();
+    let status = status_of(
+        &mut fixture.client,
+        FragmentEnvelope::new("region", 1, body).encode_to_vec(),
+    )
+    .await
+    .expect("refused");
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(status.message().contains("another schema"), "{status:?}");
     assert_still_serving(&mut fixture).await;

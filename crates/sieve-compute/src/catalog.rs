@@ -51,17 +51,22 @@ impl ClusterCatalog {
             return plan_err!("no storage nodes given");
         }
         let clients =
-            futures::future::try_join_all(urls.iter().map(|url| StorageClient::connect(url))).await?;
-        let listings = futures::future::try_join_all(clients.iter().map(|client| client.list_tables())).await?;
+            futures::future::try_join_all(urls.iter().map(|url| StorageClient::connect(url)))
+                .await?;
+        let listings =
+            futures::future::try_join_all(clients.iter().map(|client| client.list_tables()))
+                .await?;
         let mut tables: BTreeMap<String, ClusterTable> = BTreeMap::new();
         for (node, listing) in listings.into_iter().enumerate() {
             for node_table in listing {
-                let table = tables.entry(node_table.name.clone()).or_insert_with(|| ClusterTable {
-                    name: node_table.name.clone(),
-                    schema: Arc::clone(&node_table.schema),
-                    slices: Vec::new(),
-                    statistics: Statistics::new_unknown(&node_table.schema),
-                });
+                let table = tables
+                    .entry(node_table.name.clone())
+                    .or_insert_with(|| ClusterTable {
+                        name: node_table.name.clone(),
+                        schema: Arc::clone(&node_table.schema),
+                        slices: Vec::new(),
+                        statistics: Statistics::new_unknown(&node_table.schema),
+                    });
                 if table.schema.fields() != node_table.schema.fields() {
                     return plan_err!(
                         "table '{}' has a different schema on storage node {} than on another node",
@@ -70,10 +75,22 @@ impl ClusterCatalog {
                     );
                 }
                 for (summary, range_url) in node_table.slices {
-                    if table.slices.iter().any(|slice| slice.summary.slice == summary.slice) {
-                        return plan_err!("slice {} of table '{}' is held by two storage nodes", summary.slice, table.name);
+                    if table
+                        .slices
+                        .iter()
+                        .any(|slice| slice.summary.slice == summary.slice)
+                    {
+                        return plan_err!(
+                            "slice {} of table '{}' is held by two storage nodes",
+                            summary.slice,
+                            table.name
+                        );
                     }
-                    table.slices.push(ClusterSlice { summary, node, range_url });
+                    table.slices.push(ClusterSlice {
+                        summary,
+                        node,
+                        range_url,
+                    });
                 }
             }
         }
@@ -104,20 +121,27 @@ fn table_statistics(schema: &SchemaRef, slices: &[ClusterSlice]) -> Statistics {
             for slice in slices {
                 let column = slice.summary.columns.get(index);
                 let parse = |text: Option<&String>| {
-                    text.and_then(|text| ScalarValue::try_from_string(text.clone(), field.data_type()).ok())
+                    text.and_then(|text| {
+                        ScalarValue::try_from_string(text.clone(), field.data_type()).ok()
+                    })
                 };
-                let (Some(slice_min), Some(slice_max)) =
-                    (parse(column.and_then(|c| c.min.as_ref())), parse(column.and_then(|c| c.max.as_ref())))
-                else {
+                let (Some(slice_min), Some(slice_max)) = (
+                    parse(column.and_then(|c| c.min.as_ref())),
+                    parse(column.and_then(|c| c.max.as_ref())),
+                ) else {
                     known = false;
                     break;
                 };
                 min = Some(match min {
-                    Some(current) if current.partial_cmp(&slice_min).is_some_and(|o| o.is_le()) => current,
+                    Some(current) if current.partial_cmp(&slice_min).is_some_and(|o| o.is_le()) => {
+                        current
+                    }
                     _ => slice_min,
                 });
                 max = Some(match max {
-                    Some(current) if current.partial_cmp(&slice_max).is_some_and(|o| o.is_ge()) => current,
+                    Some(current) if current.partial_cmp(&slice_max).is_some_and(|o| o.is_ge()) => {
+                        current
+                    }
                     _ => slice_max,
                 });
             }

@@ -55,17 +55,21 @@ impl StorageClient {
     /// Connect to the storage node at `url` (e.g. `http://127.0.0.1:50051`).
     pub async fn connect(url: &str) -> Result<Self> {
         let endpoint = Endpoint::from_shared(url.to_string())
-            .map_err(|error| DataFusionError::Plan(format!("invalid storage node address '{url}': {error}")))?
+            .map_err(|error| {
+                DataFusionError::Plan(format!("invalid storage node address '{url}': {error}"))
+            })?
             .connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS))
             .tcp_nodelay(true);
-        let channel = endpoint
-            .connect()
-            .await
-            .map_err(|error| exec_datafusion_err!("cannot connect to storage node {url}: {error}"))?;
+        let channel = endpoint.connect().await.map_err(|error| {
+            exec_datafusion_err!("cannot connect to storage node {url}: {error}")
+        })?;
         let client = FlightServiceClient::new(channel)
             .max_decoding_message_size(FLIGHT_MESSAGE_BYTES_MAX)
             .max_encoding_message_size(FLIGHT_MESSAGE_BYTES_MAX);
-        Ok(Self { url: url.to_string(), client })
+        Ok(Self {
+            url: url.to_string(),
+            client,
+        })
     }
 
     /// The node's address.
@@ -82,25 +86,42 @@ impl StorageClient {
             .map_err(|status| self.status_error(status))?
             .into_inner();
         let mut tables = Vec::new();
-        while let Some(info) = infos.message().await.map_err(|status| self.status_error(status))? {
-            let schema: Schema = info
-                .clone()
-                .try_decode_schema()
-                .map_err(|error| exec_datafusion_err!("storage node {} sent a bad schema: {error}", self.url))?;
+        while let Some(info) = infos
+            .message()
+            .await
+            .map_err(|status| self.status_error(status))?
+        {
+            let schema: Schema = info.clone().try_decode_schema().map_err(|error| {
+                exec_datafusion_err!("storage node {} sent a bad schema: {error}", self.url)
+            })?;
             let name = info
                 .flight_descriptor
                 .as_ref()
                 .and_then(|descriptor| descriptor.path.first().cloned())
-                .ok_or_else(|| exec_datafusion_err!("storage node {} sent a table without a name", self.url))?;
+                .ok_or_else(|| {
+                    exec_datafusion_err!("storage node {} sent a table without a name", self.url)
+                })?;
             let mut slices = Vec::new();
             for endpoint in &info.endpoint {
-                let summary: SliceSummary = serde_json::from_slice(&endpoint.app_metadata).map_err(|error| {
-                    exec_datafusion_err!("storage node {} sent a bad slice summary: {error}", self.url)
-                })?;
-                let location = endpoint.location.first().map(|location| location.uri.clone()).unwrap_or_default();
+                let summary: SliceSummary = serde_json::from_slice(&endpoint.app_metadata)
+                    .map_err(|error| {
+                        exec_datafusion_err!(
+                            "storage node {} sent a bad slice summary: {error}",
+                            self.url
+                        )
+                    })?;
+                let location = endpoint
+                    .location
+                    .first()
+                    .map(|location| location.uri.clone())
+                    .unwrap_or_default();
                 slices.push((summary, location));
             }
-            tables.push(NodeTable { name, schema: Arc::new(schema), slices });
+            tables.push(NodeTable {
+                name,
+                schema: Arc::new(schema),
+                slices,
+            });
         }
         Ok(tables)
     }
@@ -122,15 +143,20 @@ impl StorageClient {
         let messages = response
             .map_err(|status| FlightError::Tonic(Box::new(status)))
             .try_filter_map(move |message: FlightData| {
-                let size = (message.data_header.len() + message.data_body.len() + message.app_metadata.len()) as u64;
+                let size = (message.data_header.len()
+                    + message.data_body.len()
+                    + message.app_metadata.len()) as u64;
                 shipped_in.fetch_add(size, std::sync::atomic::Ordering::Relaxed);
                 let result = if message.data_header.is_empty() && !message.app_metadata.is_empty() {
                     match SliceMetrics::decode(message.app_metadata.as_ref()) {
                         Ok(metrics) => {
-                            *trailer_in.lock().expect("trailer lock is never poisoned") = Some(metrics);
+                            *trailer_in.lock().expect("trailer lock is never poisoned") =
+                                Some(metrics);
                             Ok(None)
                         }
-                        Err(error) => Err(FlightError::DecodeError(format!("bad slice metrics: {error}"))),
+                        Err(error) => Err(FlightError::DecodeError(format!(
+                            "bad slice metrics: {error}"
+                        ))),
                     }
                 } else {
                     Ok(Some(message))
@@ -148,8 +174,17 @@ impl StorageClient {
             .lock()
             .expect("trailer lock is never poisoned")
             .take()
-            .ok_or_else(|| exec_datafusion_err!("storage node {} ended a slice stream without its metrics", self.url))?;
-        Ok(SliceResult { batches, metrics, bytes_shipped })
+            .ok_or_else(|| {
+                exec_datafusion_err!(
+                    "storage node {} ended a slice stream without its metrics",
+                    self.url
+                )
+            })?;
+        Ok(SliceResult {
+            batches,
+            metrics,
+            bytes_shipped,
+        })
     }
 
     fn flight_error(&self, error: FlightError) -> DataFusionError {

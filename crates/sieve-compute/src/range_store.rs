@@ -14,8 +14,8 @@ use futures::stream::BoxStream;
 use object_store::http::HttpBuilder;
 use object_store::path::Path;
 use object_store::{
-    ClientOptions, CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
-    PutMultipartOptions, PutOptions, PutPayload, PutResult,
+    ClientOptions, CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta,
+    ObjectStore, PutMultipartOptions, PutOptions, PutPayload, PutResult,
 };
 
 use crate::Traffic;
@@ -54,9 +54,11 @@ impl ClusterRangeStore {
     fn route(&self, location: &Path) -> object_store::Result<(&Arc<dyn ObjectStore>, Path)> {
         let mut parts = location.parts();
         let node: Option<usize> = parts.next().and_then(|part| part.as_ref().parse().ok());
-        let store = node.and_then(|node| self.nodes.get(node)).ok_or_else(|| object_store::Error::NotFound {
-            path: location.to_string(),
-            source: "path does not name a storage node".into(),
+        let store = node.and_then(|node| self.nodes.get(node)).ok_or_else(|| {
+            object_store::Error::NotFound {
+                path: location.to_string(),
+                source: "path does not name a storage node".into(),
+            }
         })?;
         Ok((store, Path::from_iter(parts)))
     }
@@ -77,7 +79,12 @@ fn read_only() -> object_store::Error {
 
 #[async_trait]
 impl ObjectStore for ClusterRangeStore {
-    async fn put_opts(&self, _location: &Path, _payload: PutPayload, _opts: PutOptions) -> object_store::Result<PutResult> {
+    async fn put_opts(
+        &self,
+        _location: &Path,
+        _payload: PutPayload,
+        _opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
         Err(read_only())
     }
 
@@ -89,14 +96,23 @@ impl ObjectStore for ClusterRangeStore {
         Err(read_only())
     }
 
-    async fn get_opts(&self, location: &Path, options: GetOptions) -> object_store::Result<GetResult> {
+    async fn get_opts(
+        &self,
+        location: &Path,
+        options: GetOptions,
+    ) -> object_store::Result<GetResult> {
         let (store, path) = self.route(location)?;
         let result = store.get_opts(&path, options).await?;
-        self.traffic.add_range_response(result.range.end - result.range.start);
+        self.traffic
+            .add_range_response(result.range.end - result.range.start);
         Ok(result)
     }
 
-    async fn get_ranges(&self, location: &Path, ranges: &[Range<u64>]) -> object_store::Result<Vec<Bytes>> {
+    async fn get_ranges(
+        &self,
+        location: &Path,
+        ranges: &[Range<u64>],
+    ) -> object_store::Result<Vec<Bytes>> {
         let (store, path) = self.route(location)?;
         let parts = store.get_ranges(&path, ranges).await?;
         for part in &parts {
@@ -118,11 +134,19 @@ impl ObjectStore for ClusterRangeStore {
         futures::stream::once(async { Err(read_only()) }).boxed()
     }
 
-    async fn list_with_delimiter(&self, _prefix: Option<&Path>) -> object_store::Result<ListResult> {
+    async fn list_with_delimiter(
+        &self,
+        _prefix: Option<&Path>,
+    ) -> object_store::Result<ListResult> {
         Err(read_only())
     }
 
-    async fn copy_opts(&self, _from: &Path, _to: &Path, _options: CopyOptions) -> object_store::Result<()> {
+    async fn copy_opts(
+        &self,
+        _from: &Path,
+        _to: &Path,
+        _options: CopyOptions,
+    ) -> object_store::Result<()> {
         Err(read_only())
     }
 }

@@ -27,7 +27,9 @@ use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricBuilder, MetricsSet};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
-use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties};
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
+};
 use futures::{stream, StreamExt, TryStreamExt};
 use sieve_fragment::FragmentEnvelope;
 
@@ -66,8 +68,15 @@ impl SieveScanExec {
         slices_in_flight: usize,
     ) -> Result<Self> {
         let output_no_columns = projection.is_empty();
-        let shipped = if output_no_columns { vec![smallest_column(&table.schema)] } else { projection };
-        let fragment = sieve_fragment::Fragment { projection: shipped.clone(), predicate: predicate.clone() };
+        let shipped = if output_no_columns {
+            vec![smallest_column(&table.schema)]
+        } else {
+            projection
+        };
+        let fragment = sieve_fragment::Fragment {
+            projection: shipped.clone(),
+            predicate: predicate.clone(),
+        };
         let body = Arc::new(fragment.encode_body(&table.schema)?);
         let schema = if output_no_columns {
             Arc::new(Schema::empty())
@@ -102,24 +111,42 @@ impl SieveScanExec {
 
     /// Names of the pushed (shipped) columns.
     pub fn pushed_columns(&self) -> Vec<String> {
-        self.shipped.iter().map(|&index| self.table.schema.field(index).name().clone()).collect()
+        self.shipped
+            .iter()
+            .map(|&index| self.table.schema.field(index).name().clone())
+            .collect()
     }
 }
 
 /// The narrowest column by fixed width, used when no column is needed.
 fn smallest_column(schema: &SchemaRef) -> usize {
     (0..schema.fields().len())
-        .min_by_key(|&index| schema.field(index).data_type().primitive_width().unwrap_or(usize::MAX))
+        .min_by_key(|&index| {
+            schema
+                .field(index)
+                .data_type()
+                .primitive_width()
+                .unwrap_or(usize::MAX)
+        })
         .unwrap_or(0)
 }
 
 impl DisplayAs for SieveScanExec {
     fn fmt_as(&self, format: DisplayFormatType, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(formatter, "SieveScanExec: table={}, slices={}", self.table.name, self.table.slices.len())?;
+        write!(
+            formatter,
+            "SieveScanExec: table={}, slices={}",
+            self.table.name,
+            self.table.slices.len()
+        )?;
         if let Some(predicate) = &self.predicate {
             write!(formatter, ", pushed filter: {predicate}")?;
         }
-        write!(formatter, ", pushed columns: [{}]", self.pushed_columns().join(", "))?;
+        write!(
+            formatter,
+            ", pushed columns: [{}]",
+            self.pushed_columns().join(", ")
+        )?;
         if matches!(format, DisplayFormatType::Verbose) {
             write!(formatter, ", fragment bytes={}", self.body.len())?;
         }
@@ -150,7 +177,10 @@ impl ExecutionPlan for SieveScanExec {
         vec![]
     }
 
-    fn with_new_children(self: Arc<Self>, children: Vec<Arc<dyn ExecutionPlan>>) -> Result<Arc<dyn ExecutionPlan>> {
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
         if !children.is_empty() {
             return internal_err!("SieveScanExec has no children");
         }
@@ -174,10 +204,16 @@ impl ExecutionPlan for SieveScanExec {
         Ok(Arc::new(statistics))
     }
 
-    fn execute(&self, partition: usize, _context: Arc<TaskContext>) -> Result<SendableRecordBatchStream> {
+    fn execute(
+        &self,
+        partition: usize,
+        _context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
         let partitions = self.properties.partitioning.partition_count();
         if partition >= partitions {
-            return internal_err!("SieveScanExec has {partitions} partitions, asked for {partition}");
+            return internal_err!(
+                "SieveScanExec has {partitions} partitions, asked for {partition}"
+            );
         }
         let builder = || MetricBuilder::new(&self.metrics);
         let output_rows = builder().output_rows(partition);
@@ -192,7 +228,14 @@ impl ExecutionPlan for SieveScanExec {
         let rows_scanned = builder().counter("storage_rows_scanned", partition);
         let storage_cpu = builder().subset_time("storage_cpu_time", partition);
 
-        let slices: Vec<_> = self.table.slices.iter().skip(partition).step_by(partitions).cloned().collect();
+        let slices: Vec<_> = self
+            .table
+            .slices
+            .iter()
+            .skip(partition)
+            .step_by(partitions)
+            .cloned()
+            .collect();
         let catalog = Arc::clone(&self.catalog);
         let traffic = Arc::clone(&self.traffic);
         let body = Arc::clone(&self.body);
@@ -202,7 +245,11 @@ impl ExecutionPlan for SieveScanExec {
         let requests = stream::iter(slices).map(move |slice| {
             let catalog = Arc::clone(&catalog);
             let traffic = Arc::clone(&traffic);
-            let envelope = FragmentEnvelope::new(table_name.clone(), slice.summary.slice, body.as_ref().clone());
+            let envelope = FragmentEnvelope::new(
+                table_name.clone(),
+                slice.summary.slice,
+                body.as_ref().clone(),
+            );
             async move {
                 let client = &catalog.clients[slice.node];
                 let encoded = prost::Message::encode_to_vec(&envelope);
@@ -229,8 +276,13 @@ impl ExecutionPlan for SieveScanExec {
                 stream::iter(result.batches.into_iter().map(move |batch| {
                     output_rows.add(batch.num_rows());
                     if output_no_columns {
-                        let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
-                        Ok(RecordBatch::try_new_with_options(Arc::clone(&schema), vec![], &options)?)
+                        let options =
+                            RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
+                        Ok(RecordBatch::try_new_with_options(
+                            Arc::clone(&schema),
+                            vec![],
+                            &options,
+                        )?)
                     } else {
                         Ok(batch)
                     }

@@ -22,7 +22,10 @@ pub struct SieveSession {
 
 impl std::fmt::Debug for SieveSession {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.debug_struct("SieveSession").field("catalog", &self.catalog).finish_non_exhaustive()
+        formatter
+            .debug_struct("SieveSession")
+            .field("catalog", &self.catalog)
+            .finish_non_exhaustive()
     }
 }
 
@@ -36,15 +39,23 @@ impl SieveSession {
     pub fn set_ndp(&self, on: bool) -> Result<()> {
         let state = self.context.state_ref();
         let mut state = state.write();
-        state.config_mut().options_mut().set("sieve.ndp", if on { "on" } else { "off" })
+        state
+            .config_mut()
+            .options_mut()
+            .set("sieve.ndp", if on { "on" } else { "off" })
     }
 }
 
 /// Like [`connect_session`], starting from `config`.
-pub async fn connect_session_with_config(urls: &[String], config: SessionConfig) -> Result<SieveSession> {
+pub async fn connect_session_with_config(
+    urls: &[String],
+    config: SessionConfig,
+) -> Result<SieveSession> {
     let catalog = Arc::new(ClusterCatalog::discover(urls).await?);
     let traffic = Arc::new(Traffic::default());
-    let config = config.with_option_extension(SieveConfig::default()).with_information_schema(true);
+    let config = config
+        .with_option_extension(SieveConfig::default())
+        .with_information_schema(true);
     let context = SessionContext::new_with_config(config);
     let mut range_urls: Vec<String> = vec![String::new(); catalog.clients.len()];
     for table in catalog.tables.values() {
@@ -54,15 +65,35 @@ pub async fn connect_session_with_config(urls: &[String], config: SessionConfig)
             }
         }
     }
-    let store = ClusterRangeStore::try_new(&range_urls.iter().map(|url| if url.is_empty() { "http://0.0.0.0:1".to_string() } else { url.clone() }).collect::<Vec<_>>(), Arc::clone(&traffic))
-        .map_err(|error| DataFusionError::External(Box::new(error)))?;
+    let store = ClusterRangeStore::try_new(
+        &range_urls
+            .iter()
+            .map(|url| {
+                if url.is_empty() {
+                    "http://0.0.0.0:1".to_string()
+                } else {
+                    url.clone()
+                }
+            })
+            .collect::<Vec<_>>(),
+        Arc::clone(&traffic),
+    )
+    .map_err(|error| DataFusionError::External(Box::new(error)))?;
     let url = ObjectStoreUrl::parse(CLUSTER_RANGE_URL)?;
     context.register_object_store(url.as_ref(), Arc::new(store));
     for (name, table) in &catalog.tables {
         context.register_table(
             name.as_str(),
-            Arc::new(SieveTable::new(Arc::clone(table), Arc::clone(&catalog), Arc::clone(&traffic))),
+            Arc::new(SieveTable::new(
+                Arc::clone(table),
+                Arc::clone(&catalog),
+                Arc::clone(&traffic),
+            )),
         )?;
     }
-    Ok(SieveSession { context, catalog, traffic })
+    Ok(SieveSession {
+        context,
+        catalog,
+        traffic,
+    })
 }

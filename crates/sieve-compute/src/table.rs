@@ -42,8 +42,16 @@ pub struct SieveTable {
 
 impl SieveTable {
     /// A provider for `table`.
-    pub fn new(table: Arc<ClusterTable>, catalog: Arc<ClusterCatalog>, traffic: Arc<Traffic>) -> Self {
-        Self { table, catalog, traffic }
+    pub fn new(
+        table: Arc<ClusterTable>,
+        catalog: Arc<ClusterCatalog>,
+        traffic: Arc<Traffic>,
+    ) -> Self {
+        Self {
+            table,
+            catalog,
+            traffic,
+        }
     }
 
     fn scan_off(
@@ -60,11 +68,17 @@ impl SieveTable {
         // Parquet options (page index, pruning, Bloom filters) and metadata cache.
         let mut source = ParquetSource::new(Arc::clone(&schema))
             .with_table_parquet_options(state.table_options().parquet.clone())
-            .with_parquet_file_reader_factory(Arc::new(CachedParquetFileReaderFactory::new(store, metadata_cache)));
+            .with_parquet_file_reader_factory(Arc::new(CachedParquetFileReaderFactory::new(
+                store,
+                metadata_cache,
+            )));
         if let Some(predicate) = &predicate {
             source = source.with_predicate(Arc::clone(predicate));
         }
-        let partitions = state.config().target_partitions().clamp(1, self.table.slices.len().max(1));
+        let partitions = state
+            .config()
+            .target_partitions()
+            .clamp(1, self.table.slices.len().max(1));
         let mut groups: Vec<Vec<PartitionedFile>> = vec![Vec::new(); partitions];
         for (index, slice) in self.table.slices.iter().enumerate() {
             let file_path = slice
@@ -72,8 +86,10 @@ impl SieveTable {
                 .split_once("/slices/")
                 .map(|(_, rest)| format!("slices/{rest}"))
                 .unwrap_or_default();
-            groups[index % partitions]
-                .push(PartitionedFile::new(ClusterRangeStore::path(slice.node, &file_path), slice.summary.bytes));
+            groups[index % partitions].push(PartitionedFile::new(
+                ClusterRangeStore::path(slice.node, &file_path),
+                slice.summary.bytes,
+            ));
         }
         let mut needed: Vec<usize> = projection.to_vec();
         if let Some(predicate) = &predicate {
@@ -103,14 +119,26 @@ fn finish_scan(
         if needed == projection {
             return Ok(scan);
         }
-        let positions = projection.iter().map(|column| needed.binary_search(column).expect("needed ⊇ projection")).collect();
-        return Ok(Arc::new(FilterExecBuilder::new(datafusion::physical_expr::expressions::lit(true), scan)
-            .apply_projection(Some(positions))?
-            .build()?));
+        let positions = projection
+            .iter()
+            .map(|column| needed.binary_search(column).expect("needed ⊇ projection"))
+            .collect();
+        return Ok(Arc::new(
+            FilterExecBuilder::new(datafusion::physical_expr::expressions::lit(true), scan)
+                .apply_projection(Some(positions))?
+                .build()?,
+        ));
     };
     let predicate = reassign_expr_columns(predicate, &scan.schema())?;
-    let positions = projection.iter().map(|column| needed.binary_search(column).expect("needed ⊇ projection")).collect();
-    Ok(Arc::new(FilterExecBuilder::new(predicate, scan).apply_projection(Some(positions))?.build()?))
+    let positions = projection
+        .iter()
+        .map(|column| needed.binary_search(column).expect("needed ⊇ projection"))
+        .collect();
+    Ok(Arc::new(
+        FilterExecBuilder::new(predicate, scan)
+            .apply_projection(Some(positions))?
+            .build()?,
+    ))
 }
 
 #[async_trait]
@@ -127,7 +155,10 @@ impl TableProvider for SieveTable {
         Some(self.table.statistics.clone())
     }
 
-    fn supports_filters_pushdown(&self, filters: &[&Expr]) -> Result<Vec<TableProviderFilterPushDown>> {
+    fn supports_filters_pushdown(
+        &self,
+        filters: &[&Expr],
+    ) -> Result<Vec<TableProviderFilterPushDown>> {
         Ok(vec![TableProviderFilterPushDown::Exact; filters.len()])
     }
 
@@ -139,11 +170,20 @@ impl TableProvider for SieveTable {
         _limit: Option<usize>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
         let schema = Arc::clone(&self.table.schema);
-        let projection: Vec<usize> = projection.cloned().unwrap_or_else(|| (0..schema.fields().len()).collect());
-        let settings = state.config_options().extensions.get::<SieveConfig>().cloned().unwrap_or_default();
+        let projection: Vec<usize> = projection
+            .cloned()
+            .unwrap_or_else(|| (0..schema.fields().len()).collect());
+        let settings = state
+            .config_options()
+            .extensions
+            .get::<SieveConfig>()
+            .cloned()
+            .unwrap_or_default();
         let df_schema = DFSchema::try_from(Arc::clone(&schema))?;
         let filter = conjunction(filters.iter().cloned());
-        let predicate = filter.map(|filter| state.create_physical_expr(filter, &df_schema)).transpose()?;
+        let predicate = filter
+            .map(|filter| state.create_physical_expr(filter, &df_schema))
+            .transpose()?;
         if settings.mode()? == NdpMode::Off {
             return self.scan_off(state, &projection, predicate);
         }

@@ -60,7 +60,9 @@ impl SliceLayout {
             // must be smaller than a page for the limit to hold.
             .set_write_batch_size(1024.min(self.data_page_rows_max))
             .set_statistics_enabled(EnabledStatistics::Page)
-            .set_compression(Compression::ZSTD(ZstdLevel::try_new(1).expect("level 1 is valid")))
+            .set_compression(Compression::ZSTD(
+                ZstdLevel::try_new(1).expect("level 1 is valid"),
+            ))
             .set_created_by(format!("sieve {}", env!("CARGO_PKG_VERSION")));
         for field in schema.fields() {
             if field.name().ends_with("key") {
@@ -83,13 +85,14 @@ pub fn write_slice(
     layout: &SliceLayout,
     batches: impl IntoIterator<Item = std::result::Result<RecordBatch, arrow::error::ArrowError>>,
 ) -> Result<usize> {
-    let parent = path
-        .parent()
-        .ok_or_else(|| ParquetError::General(format!("slice path {} has no parent", path.display())))?;
+    let parent = path.parent().ok_or_else(|| {
+        ParquetError::General(format!("slice path {} has no parent", path.display()))
+    })?;
     std::fs::create_dir_all(parent)?;
     let temporary = path.with_extension("parquet.tmp");
     let file = File::create(&temporary)?;
-    let mut writer = ArrowWriter::try_new(file, schema.clone(), Some(layout.writer_properties(schema)))?;
+    let mut writer =
+        ArrowWriter::try_new(file, schema.clone(), Some(layout.writer_properties(schema)))?;
     let mut rows = 0;
     for batch in batches {
         let batch = batch?;

@@ -32,14 +32,38 @@ pub struct TpchTable {
 
 /// The eight TPC-H tables.
 pub const TPCH_TABLES: [TpchTable; 8] = [
-    TpchTable { name: "nation", rows_at_scale_one: 25 },
-    TpchTable { name: "region", rows_at_scale_one: 5 },
-    TpchTable { name: "part", rows_at_scale_one: 200_000 },
-    TpchTable { name: "supplier", rows_at_scale_one: 10_000 },
-    TpchTable { name: "partsupp", rows_at_scale_one: 800_000 },
-    TpchTable { name: "customer", rows_at_scale_one: 150_000 },
-    TpchTable { name: "orders", rows_at_scale_one: 1_500_000 },
-    TpchTable { name: "lineitem", rows_at_scale_one: 6_001_215 },
+    TpchTable {
+        name: "nation",
+        rows_at_scale_one: 25,
+    },
+    TpchTable {
+        name: "region",
+        rows_at_scale_one: 5,
+    },
+    TpchTable {
+        name: "part",
+        rows_at_scale_one: 200_000,
+    },
+    TpchTable {
+        name: "supplier",
+        rows_at_scale_one: 10_000,
+    },
+    TpchTable {
+        name: "partsupp",
+        rows_at_scale_one: 800_000,
+    },
+    TpchTable {
+        name: "customer",
+        rows_at_scale_one: 150_000,
+    },
+    TpchTable {
+        name: "orders",
+        rows_at_scale_one: 1_500_000,
+    },
+    TpchTable {
+        name: "lineitem",
+        rows_at_scale_one: 6_001_215,
+    },
 ];
 
 impl TpchTable {
@@ -58,7 +82,10 @@ impl TpchTable {
         scale_factor: f64,
         part: i32,
         parts: i32,
-    ) -> (SchemaRef, Box<dyn Iterator<Item = std::result::Result<RecordBatch, arrow::error::ArrowError>> + Send>) {
+    ) -> (
+        SchemaRef,
+        Box<dyn Iterator<Item = std::result::Result<RecordBatch, arrow::error::ArrowError>> + Send>,
+    ) {
         macro_rules! arrow_of {
             ($generator:ident, $arrow:ident) => {
                 (
@@ -86,7 +113,9 @@ impl TpchTable {
 
 /// Path of slice `part` of `table` inside a storage node's directory.
 pub fn slice_path(node_dir: &Path, table: &str, part: usize) -> PathBuf {
-    node_dir.join(table).join(format!("{table}-{part:05}.parquet"))
+    node_dir
+        .join(table)
+        .join(format!("{table}-{part:05}.parquet"))
 }
 
 /// Whether `root` holds a complete load (the marker is written last).
@@ -97,12 +126,21 @@ pub fn is_generated(root: &Path) -> bool {
 /// Generate TPC-H at `scale_factor` into `root`, spreading slices round-robin
 /// over `nodes` storage-node directories. Slices are generated in parallel on
 /// all cores. The completion marker is written after every slice is in place.
-pub fn generate_tpch(root: &Path, scale_factor: f64, nodes: usize, layout: &SliceLayout) -> Result<()> {
+pub fn generate_tpch(
+    root: &Path,
+    scale_factor: f64,
+    nodes: usize,
+    layout: &SliceLayout,
+) -> Result<()> {
     if nodes == 0 {
-        return Err(ParquetError::General("at least one storage node is needed".into()));
+        return Err(ParquetError::General(
+            "at least one storage node is needed".into(),
+        ));
     }
     if !(scale_factor > 0.0) {
-        return Err(ParquetError::General(format!("scale factor must be positive, got {scale_factor}")));
+        return Err(ParquetError::General(format!(
+            "scale factor must be positive, got {scale_factor}"
+        )));
     }
     let _ = std::fs::remove_file(root.join(LOAD_COMPLETE_MARKER));
     let mut work = Vec::new();
@@ -118,19 +156,26 @@ pub fn generate_tpch(root: &Path, scale_factor: f64, nodes: usize, layout: &Slic
     work.sort_by_key(|(table, ..)| std::cmp::Reverse(table.rows_at_scale_one));
     let next = AtomicUsize::new(0);
     let first_error: Mutex<Option<ParquetError>> = Mutex::new(None);
-    let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let workers = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     std::thread::scope(|scope| {
         for _ in 0..workers {
             scope.spawn(|| loop {
                 let index = next.fetch_add(1, Ordering::Relaxed);
-                let Some((table, part, parts, node)) = work.get(index) else { return };
+                let Some((table, part, parts, node)) = work.get(index) else {
+                    return;
+                };
                 if first_error.lock().expect("no poisoning").is_some() {
                     return;
                 }
                 let (schema, batches) = table.generate(scale_factor, *part as i32, *parts as i32);
                 let path = slice_path(&node_directory(root, *node), table.name, *part);
                 if let Err(error) = write_slice(&path, &schema, layout, batches) {
-                    first_error.lock().expect("no poisoning").get_or_insert(error);
+                    first_error
+                        .lock()
+                        .expect("no poisoning")
+                        .get_or_insert(error);
                     return;
                 }
             });
@@ -146,6 +191,9 @@ pub fn generate_tpch(root: &Path, scale_factor: f64, nodes: usize, layout: &Slic
         "slice_rows_max": layout.slice_rows_max,
         "data_page_rows_max": layout.data_page_rows_max,
     });
-    std::fs::write(root.join(LOAD_COMPLETE_MARKER), serde_json::to_vec_pretty(&meta).expect("json"))?;
+    std::fs::write(
+        root.join(LOAD_COMPLETE_MARKER),
+        serde_json::to_vec_pretty(&meta).expect("json"),
+    )?;
     Ok(())
 }

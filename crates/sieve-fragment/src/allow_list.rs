@@ -18,9 +18,30 @@ use datafusion::physical_expr::{PhysicalExpr, ScalarFunctionExpr};
 /// Built-in scalar functions a storage node evaluates. All are deterministic
 /// and pure; `random()`, `now()` and user-defined functions are not here.
 pub const ALLOWED_FUNCTIONS: &[&str] = &[
-    "abs", "btrim", "ceil", "char_length", "character_length", "coalesce", "date_part",
-    "date_trunc", "ends_with", "floor", "left", "length", "lower", "ltrim", "nullif", "right",
-    "round", "rtrim", "starts_with", "strpos", "substr", "substring", "trim", "upper",
+    "abs",
+    "btrim",
+    "ceil",
+    "char_length",
+    "character_length",
+    "coalesce",
+    "date_part",
+    "date_trunc",
+    "ends_with",
+    "floor",
+    "left",
+    "length",
+    "lower",
+    "ltrim",
+    "nullif",
+    "right",
+    "round",
+    "rtrim",
+    "starts_with",
+    "strpos",
+    "substr",
+    "substring",
+    "trim",
+    "upper",
 ];
 
 /// Whether values of `data_type` may appear in a fragment.
@@ -29,12 +50,24 @@ pub fn is_allowed_type(data_type: &DataType) -> bool {
     matches!(
         data_type,
         Null | Boolean
-            | Int8 | Int16 | Int32 | Int64
-            | UInt8 | UInt16 | UInt32 | UInt64
-            | Float32 | Float64
-            | Decimal128(_, _) | Decimal256(_, _)
-            | Utf8 | LargeUtf8 | Utf8View
-            | Date32 | Date64 | Timestamp(_, _)
+            | Int8
+            | Int16
+            | Int32
+            | Int64
+            | UInt8
+            | UInt16
+            | UInt32
+            | UInt64
+            | Float32
+            | Float64
+            | Decimal128(_, _)
+            | Decimal256(_, _)
+            | Utf8
+            | LargeUtf8
+            | Utf8View
+            | Date32
+            | Date64
+            | Timestamp(_, _)
             | Interval(_)
     )
 }
@@ -43,11 +76,24 @@ fn is_allowed_operator(operator: &Operator) -> bool {
     use Operator::*;
     matches!(
         operator,
-        Eq | NotEq | Lt | LtEq | Gt | GtEq
-            | And | Or
-            | Plus | Minus | Multiply | Divide | Modulo
-            | IsDistinctFrom | IsNotDistinctFrom
-            | LikeMatch | ILikeMatch | NotLikeMatch | NotILikeMatch
+        Eq | NotEq
+            | Lt
+            | LtEq
+            | Gt
+            | GtEq
+            | And
+            | Or
+            | Plus
+            | Minus
+            | Multiply
+            | Divide
+            | Modulo
+            | IsDistinctFrom
+            | IsNotDistinctFrom
+            | LikeMatch
+            | ILikeMatch
+            | NotLikeMatch
+            | NotILikeMatch
     )
 }
 
@@ -60,7 +106,9 @@ pub fn check_allowed(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Result<()
         return plan_err!("type {output_type} is not allowed in an NDP fragment (in {expr})");
     }
     if let Some(column) = expr.downcast_ref::<Column>() {
-        if column.index() >= schema.fields().len() || schema.field(column.index()).name() != column.name() {
+        if column.index() >= schema.fields().len()
+            || schema.field(column.index()).name() != column.name()
+        {
             return plan_err!("column {column} does not exist in the table schema");
         }
     } else if expr.downcast_ref::<Literal>().is_some() {
@@ -71,7 +119,10 @@ pub fn check_allowed(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Result<()
         }
     } else if let Some(function) = expr.downcast_ref::<ScalarFunctionExpr>() {
         if !ALLOWED_FUNCTIONS.contains(&function.name()) {
-            return plan_err!("function {}() is not allowed in an NDP fragment", function.name());
+            return plan_err!(
+                "function {}() is not allowed in an NDP fragment",
+                function.name()
+            );
         }
     } else if expr.downcast_ref::<CastExpr>().is_some()
         || expr.downcast_ref::<TryCastExpr>().is_some()

@@ -94,7 +94,9 @@ impl SliceMetrics {
     /// Pages actually read: considered minus every kind of skip.
     pub fn pages_read(&self) -> u64 {
         self.pages_considered.saturating_sub(
-            self.pages_skipped_statistics + self.pages_skipped_page_index + self.pages_skipped_bloom_filter,
+            self.pages_skipped_statistics
+                + self.pages_skipped_page_index
+                + self.pages_skipped_bloom_filter,
         )
     }
 }
@@ -105,7 +107,12 @@ impl SliceMetrics {
 pub fn schema_fingerprint(schema: &Schema) -> u64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for field in schema.fields() {
-        let text = format!("{}:{}:{};", field.name(), field.data_type(), field.is_nullable());
+        let text = format!(
+            "{}:{}:{};",
+            field.name(),
+            field.data_type(),
+            field.is_nullable()
+        );
         for byte in text.bytes() {
             hash ^= u64::from(byte);
             hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
@@ -131,7 +138,10 @@ impl Fragment {
         let predicate = match &self.predicate {
             Some(predicate) => {
                 check_allowed(predicate, schema)?;
-                Some(serialize_physical_expr(predicate, &DefaultPhysicalExtensionCodec {})?)
+                Some(serialize_physical_expr(
+                    predicate,
+                    &DefaultPhysicalExtensionCodec {},
+                )?)
             }
             None => None,
         };
@@ -142,7 +152,10 @@ impl Fragment {
         };
         let bytes = body.encode_to_vec();
         if bytes.len() > FRAGMENT_BYTES_MAX {
-            return plan_err!("NDP fragment is {} bytes, above the limit of {FRAGMENT_BYTES_MAX}", bytes.len());
+            return plan_err!(
+                "NDP fragment is {} bytes, above the limit of {FRAGMENT_BYTES_MAX}",
+                bytes.len()
+            );
         }
         Ok(bytes)
     }
@@ -151,16 +164,25 @@ impl Fragment {
 impl FragmentEnvelope {
     /// An envelope for `slice` of `table` carrying an encoded body.
     pub fn new(table: impl Into<String>, slice: u32, body: Vec<u8>) -> Self {
-        Self { version: FRAGMENT_VERSION, table: table.into(), slice, body }
+        Self {
+            version: FRAGMENT_VERSION,
+            table: table.into(),
+            slice,
+            body,
+        }
     }
 
     /// Decode an envelope received over the network, refusing oversized
     /// input, undecodable bytes and unknown versions.
     pub fn decode_checked(bytes: &[u8]) -> Result<Self> {
         if bytes.len() > FRAGMENT_BYTES_MAX {
-            return plan_err!("NDP fragment is {} bytes, above the limit of {FRAGMENT_BYTES_MAX}", bytes.len());
+            return plan_err!(
+                "NDP fragment is {} bytes, above the limit of {FRAGMENT_BYTES_MAX}",
+                bytes.len()
+            );
         }
-        let envelope = Self::decode(bytes).map_err(|error| plan_datafusion_err!("malformed NDP fragment: {error}"))?;
+        let envelope = Self::decode(bytes)
+            .map_err(|error| plan_datafusion_err!("malformed NDP fragment: {error}"))?;
         if envelope.version != FRAGMENT_VERSION {
             return plan_err!(
                 "NDP fragment version {} is not supported (this node speaks version {FRAGMENT_VERSION})",
@@ -184,29 +206,46 @@ impl DecodedBody {
     /// Decode `body` against the table `schema`, checking the fingerprint,
     /// the projection and the allow-list.
     pub fn decode(body: &[u8], schema: &Schema, task_context: &TaskContext) -> Result<Self> {
-        let body = FragmentBody::decode(body).map_err(|error| plan_datafusion_err!("malformed NDP fragment body: {error}"))?;
+        let body = FragmentBody::decode(body)
+            .map_err(|error| plan_datafusion_err!("malformed NDP fragment body: {error}"))?;
         if body.schema_fingerprint != schema_fingerprint(schema) {
             return plan_err!("NDP fragment was planned against another schema of this table");
         }
-        let projection: Vec<usize> = body.projection.iter().map(|&index| index as usize).collect();
+        let projection: Vec<usize> = body
+            .projection
+            .iter()
+            .map(|&index| index as usize)
+            .collect();
         check_projection(&projection, schema)?;
         let predicate = match &body.predicate {
             Some(node) => {
-                let predicate = parse_physical_expr(node, task_context, schema, &DefaultPhysicalExtensionCodec {})
-                    .map_err(|error| plan_datafusion_err!("NDP fragment predicate cannot be decoded: {error}"))?;
+                let predicate = parse_physical_expr(
+                    node,
+                    task_context,
+                    schema,
+                    &DefaultPhysicalExtensionCodec {},
+                )
+                .map_err(|error| {
+                    plan_datafusion_err!("NDP fragment predicate cannot be decoded: {error}")
+                })?;
                 check_allowed(&predicate, schema)?;
                 Some(predicate)
             }
             None => None,
         };
-        Ok(Self { projection, predicate })
+        Ok(Self {
+            projection,
+            predicate,
+        })
     }
 }
 
 fn check_projection(projection: &[usize], schema: &Schema) -> Result<()> {
     let columns = schema.fields().len();
     if let Some(bad) = projection.iter().find(|&&index| index >= columns) {
-        return plan_err!("NDP fragment projects column {bad}, but the table has {columns} columns");
+        return plan_err!(
+            "NDP fragment projects column {bad}, but the table has {columns} columns"
+        );
     }
     Ok(())
 }

@@ -50,7 +50,10 @@ impl NodeCatalog {
     /// are ignored; a slice that cannot be read is an error.
     pub fn open(root: &Path) -> Result<Self> {
         let root = root.canonicalize().map_err(|error| {
-            DataFusionError::Plan(format!("data directory {} cannot be opened: {error}", root.display()))
+            DataFusionError::Plan(format!(
+                "data directory {} cannot be opened: {error}",
+                root.display()
+            ))
         })?;
         let mut tables = BTreeMap::new();
         let mut table_dirs: Vec<_> = std::fs::read_dir(&root)?.collect::<std::io::Result<_>>()?;
@@ -68,9 +71,15 @@ impl NodeCatalog {
                     continue;
                 };
                 let (schema, slice) = open_slice(&root, &table_name, slice_number, &entry.path())?;
-                let table = table.get_or_insert_with(|| CatalogTable { schema: schema.clone(), slices: BTreeMap::new() });
+                let table = table.get_or_insert_with(|| CatalogTable {
+                    schema: schema.clone(),
+                    slices: BTreeMap::new(),
+                });
                 if table.schema.fields() != schema.fields() {
-                    return plan_err!("slice {} has a different schema from the other slices of {table_name}", entry.path().display());
+                    return plan_err!(
+                        "slice {} has a different schema from the other slices of {table_name}",
+                        entry.path().display()
+                    );
                 }
                 table.slices.insert(slice_number, Arc::new(slice));
             }
@@ -119,7 +128,11 @@ impl NodeCatalog {
             .iter()
             .map(|(name, table)| TableSummary {
                 name: name.clone(),
-                slices: table.slices.values().map(|slice| slice.summary.clone()).collect(),
+                slices: table
+                    .slices
+                    .values()
+                    .map(|slice| slice.summary.clone())
+                    .collect(),
             })
             .collect()
     }
@@ -133,29 +146,54 @@ impl NodeCatalog {
 
 /// `lineitem-00003.parquet` in table `lineitem` is slice 3.
 fn parse_slice_number(table: &str, file_name: &str) -> Option<u32> {
-    file_name.strip_prefix(table)?.strip_prefix('-')?.strip_suffix(".parquet")?.parse().ok()
+    file_name
+        .strip_prefix(table)?
+        .strip_prefix('-')?
+        .strip_suffix(".parquet")?
+        .parse()
+        .ok()
 }
 
-fn open_slice(root: &Path, table: &str, slice: u32, path: &Path) -> Result<(SchemaRef, CatalogSlice)> {
+fn open_slice(
+    root: &Path,
+    table: &str,
+    slice: u32,
+    path: &Path,
+) -> Result<(SchemaRef, CatalogSlice)> {
     let file = File::open(path)?;
     let bytes = file.metadata()?.len();
     let options = ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Required);
     let reader_metadata = ArrowReaderMetadata::load(&file, options)?;
     let schema = reader_metadata.schema().clone();
     let metadata = reader_metadata.metadata().clone();
-    if schema.fields().iter().any(|field| field.data_type().is_nested()) {
-        return plan_err!("slice {} has nested columns, which Sieve does not store", path.display());
+    if schema
+        .fields()
+        .iter()
+        .any(|field| field.data_type().is_nested())
+    {
+        return plan_err!(
+            "slice {} has nested columns, which Sieve does not store",
+            path.display()
+        );
     }
     let offset_index = metadata.offset_index();
     let pages = offset_index
-        .map(|row_groups| row_groups.iter().flatten().map(|column| column.page_locations().len() as u64).sum())
+        .map(|row_groups| {
+            row_groups
+                .iter()
+                .flatten()
+                .map(|column| column.page_locations().len() as u64)
+                .sum()
+        })
         .unwrap_or(0);
     let columns = schema
         .fields()
         .iter()
         .map(|field| column_summary(field.name(), &schema, &metadata))
         .collect();
-    let relative = path.strip_prefix(root).map_err(|error| DataFusionError::Internal(error.to_string()))?;
+    let relative = path
+        .strip_prefix(root)
+        .map_err(|error| DataFusionError::Internal(error.to_string()))?;
     let summary = SliceSummary {
         table: table.to_string(),
         slice,
@@ -164,17 +202,35 @@ fn open_slice(root: &Path, table: &str, slice: u32, path: &Path) -> Result<(Sche
         row_groups: metadata.num_row_groups() as u32,
         pages,
         columns,
-        file: relative.file_name().map(|name| name.to_string_lossy().into_owned()).unwrap_or_default(),
+        file: relative
+            .file_name()
+            .map(|name| name.to_string_lossy().into_owned())
+            .unwrap_or_default(),
     };
     let object_path = object_store::path::Path::from_absolute_path(path)
         .map_err(|error| DataFusionError::External(Box::new(error)))?;
-    Ok((schema, CatalogSlice { summary, path: path.to_path_buf(), object_path, metadata }))
+    Ok((
+        schema,
+        CatalogSlice {
+            summary,
+            path: path.to_path_buf(),
+            object_path,
+            metadata,
+        },
+    ))
 }
 
 /// Min, max and NULL count of one column over all row groups of a slice.
 fn column_summary(name: &str, schema: &SchemaRef, metadata: &ParquetMetaData) -> ColumnSummary {
-    let mut summary = ColumnSummary { name: name.to_string(), min: None, max: None, null_count: None };
-    let Ok(converter) = StatisticsConverter::try_new(name, schema, metadata.file_metadata().schema_descr()) else {
+    let mut summary = ColumnSummary {
+        name: name.to_string(),
+        min: None,
+        max: None,
+        null_count: None,
+    };
+    let Ok(converter) =
+        StatisticsConverter::try_new(name, schema, metadata.file_metadata().schema_descr())
+    else {
         return summary;
     };
     let fold = |array: Option<arrow::array::ArrayRef>, keep_larger: bool| -> Option<String> {
@@ -189,15 +245,25 @@ fn column_summary(name: &str, schema: &SchemaRef, metadata: &ParquetMetaData) ->
                 None => Some(value),
                 Some(current) => {
                     let ordering = value.partial_cmp(&current)?;
-                    let replace = if keep_larger { ordering.is_gt() } else { ordering.is_lt() };
+                    let replace = if keep_larger {
+                        ordering.is_gt()
+                    } else {
+                        ordering.is_lt()
+                    };
                     Some(if replace { value } else { current })
                 }
             };
         }
         best.map(|value| value.to_string())
     };
-    summary.min = fold(converter.row_group_mins(metadata.row_groups().iter()).ok(), false);
-    summary.max = fold(converter.row_group_maxes(metadata.row_groups().iter()).ok(), true);
+    summary.min = fold(
+        converter.row_group_mins(metadata.row_groups().iter()).ok(),
+        false,
+    );
+    summary.max = fold(
+        converter.row_group_maxes(metadata.row_groups().iter()).ok(),
+        true,
+    );
     summary.null_count = converter
         .row_group_null_counts(metadata.row_groups().iter())
         .ok()

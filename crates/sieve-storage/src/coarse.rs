@@ -52,7 +52,10 @@ pub struct MatchHints {
 impl MatchHints {
     /// Pages the exact stage will read.
     pub fn pages_read(&self) -> u64 {
-        self.pages_considered - self.pages_skipped_statistics - self.pages_skipped_bloom_filter - self.pages_skipped_page_index
+        self.pages_considered
+            - self.pages_skipped_statistics
+            - self.pages_skipped_bloom_filter
+            - self.pages_skipped_page_index
     }
 
     /// Compute match hints for `slice`, reading `columns` (indices into the
@@ -67,7 +70,12 @@ impl MatchHints {
         let metadata = &slice.metadata;
         let row_groups = metadata.row_groups();
         let pages_per_group: Vec<u64> = (0..row_groups.len())
-            .map(|group| columns.iter().map(|&column| column_pages(metadata, group, column)).sum())
+            .map(|group| {
+                columns
+                    .iter()
+                    .map(|&column| column_pages(metadata, group, column))
+                    .sum()
+            })
             .collect();
         let mut hints = Self {
             access_plan: ParquetAccessPlan::new_all(row_groups.len()),
@@ -79,27 +87,40 @@ impl MatchHints {
             rows_selected: 0,
         };
         if let Some(predicate) = predicate {
-            let metrics = ParquetFileMetrics::new(0, slice.object_path.as_ref(), &ExecutionPlanMetricsSet::new());
+            let metrics = ParquetFileMetrics::new(
+                0,
+                slice.object_path.as_ref(),
+                &ExecutionPlanMetricsSet::new(),
+            );
             let parquet_schema = metadata.file_metadata().schema_descr();
             // A predicate that cannot be turned into a pruning predicate simply
             // prunes nothing; the exact stage still applies it.
-            if let Ok(pruning) =
-                PruningPredicateBuilder::new().with_file_schema(Arc::clone(schema)).try_build(Arc::clone(predicate))
+            if let Ok(pruning) = PruningPredicateBuilder::new()
+                .with_file_schema(Arc::clone(schema))
+                .try_build(Arc::clone(predicate))
             {
-                let mut filter = RowGroupAccessPlanFilter::new(ParquetAccessPlan::new_all(row_groups.len()));
+                let mut filter =
+                    RowGroupAccessPlanFilter::new(ParquetAccessPlan::new_all(row_groups.len()));
                 filter.prune_by_statistics(schema, parquet_schema, row_groups, &pruning, &metrics);
                 let after_statistics = filter.build();
                 hints.pages_skipped_statistics = skipped_pages(&after_statistics, &pages_per_group);
 
-                let (after_bloom, bloom_bytes) = prune_by_bloom_filters(slice, schema, &pruning, after_statistics, &metrics)?;
+                let (after_bloom, bloom_bytes) =
+                    prune_by_bloom_filters(slice, schema, &pruning, after_statistics, &metrics)?;
                 hints.bloom_filter_bytes_read = bloom_bytes;
-                hints.pages_skipped_bloom_filter = skipped_pages(&after_bloom, &pages_per_group) - hints.pages_skipped_statistics;
+                hints.pages_skipped_bloom_filter =
+                    skipped_pages(&after_bloom, &pages_per_group) - hints.pages_skipped_statistics;
                 hints.access_plan = after_bloom;
             }
             let page_filter = PagePruningAccessPlanFilter::new(predicate, Arc::clone(schema));
             let before = hints.access_plan.clone();
-            hints.access_plan =
-                page_filter.prune_plan_with_page_index(before.clone(), schema, parquet_schema, metadata, &metrics);
+            hints.access_plan = page_filter.prune_plan_with_page_index(
+                before.clone(),
+                schema,
+                parquet_schema,
+                metadata,
+                &metrics,
+            );
             let read_before: u64 = pages_read(&before, metadata, columns);
             let read_after: u64 = pages_read(&hints.access_plan, metadata, columns);
             hints.pages_skipped_page_index = read_before - read_after;
@@ -143,7 +164,12 @@ fn pages_read(plan: &ParquetAccessPlan, metadata: &ParquetMetaData, columns: &[u
     for (group, access) in plan.inner().iter().enumerate() {
         match access {
             RowGroupAccess::Skip => {}
-            RowGroupAccess::Scan => pages += columns.iter().map(|&column| column_pages(metadata, group, column)).sum::<u64>(),
+            RowGroupAccess::Scan => {
+                pages += columns
+                    .iter()
+                    .map(|&column| column_pages(metadata, group, column))
+                    .sum::<u64>()
+            }
             RowGroupAccess::Selection(selection) => {
                 // Selected row ranges of this row group.
                 let mut ranges = Vec::new();
@@ -167,8 +193,13 @@ fn pages_read(plan: &ParquetAccessPlan, metadata: &ParquetMetaData, columns: &[u
                     };
                     for (page, location) in locations.iter().enumerate() {
                         let start = location.first_row_index as usize;
-                        let end = locations.get(page + 1).map_or(group_rows, |next| next.first_row_index as usize);
-                        if ranges.iter().any(|range| range.start < end && start < range.end) {
+                        let end = locations
+                            .get(page + 1)
+                            .map_or(group_rows, |next| next.first_row_index as usize);
+                        if ranges
+                            .iter()
+                            .any(|range| range.start < end && start < range.end)
+                        {
                             pages += 1;
                         }
                     }
@@ -196,7 +227,10 @@ fn prune_by_bloom_filters(
         .collect();
     let metadata = &slice.metadata;
     let has_filters = literal_columns.iter().any(|(_, index)| {
-        metadata.row_groups().iter().any(|group| group.column(*index).bloom_filter_offset().is_some())
+        metadata
+            .row_groups()
+            .iter()
+            .any(|group| group.column(*index).bloom_filter_offset().is_some())
     });
     if !has_filters {
         return Ok((plan, 0));
@@ -212,7 +246,12 @@ fn prune_by_bloom_filters(
                 if let Some(filter) = Sbbf::read_from_column_chunk(column, &file)? {
                     bytes_read += column.bloom_filter_length().unwrap_or(0) as u64;
                     let descriptor = column.column_descr();
-                    group_statistics.insert(name.clone(), filter, descriptor.physical_type(), descriptor.type_length());
+                    group_statistics.insert(
+                        name.clone(),
+                        filter,
+                        descriptor.physical_type(),
+                        descriptor.type_length(),
+                    );
                 }
             }
         }

@@ -21,6 +21,7 @@ use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
 use datafusion::common::{internal_datafusion_err, Result};
 use datafusion::datasource::source::DataSourceExec;
+use datafusion::execution::object_store::ObjectStoreUrl;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::utils::{collect_columns, reassign_expr_columns};
@@ -32,7 +33,6 @@ use datafusion::prelude::SessionContext;
 use datafusion_datasource::file_scan_config::FileScanConfigBuilder;
 use datafusion_datasource::PartitionedFile;
 use datafusion_datasource_parquet::source::ParquetSource;
-use datafusion::execution::object_store::ObjectStoreUrl;
 use futures::Stream;
 use object_store::local::LocalFileSystem;
 use object_store::ObjectStore;
@@ -57,7 +57,11 @@ pub struct ExecuteOptions {
 
 impl Default for ExecuteOptions {
     fn default() -> Self {
-        Self { pushdown_filters: false, batch_rows: 8192, fragment_cache_entries_max: 1024 }
+        Self {
+            pushdown_filters: false,
+            batch_rows: 8192,
+            fragment_cache_entries_max: 1024,
+        }
     }
 }
 
@@ -113,11 +117,17 @@ impl SliceExecutor {
         needed.dedup();
 
         let hints = {
-            let (slice, schema, needed, predicate) =
-                (Arc::clone(&slice), Arc::clone(&schema), needed.clone(), body.predicate.clone());
-            tokio::task::spawn_blocking(move || MatchHints::compute(&slice, &schema, &needed, predicate.as_ref()))
-                .await
-                .map_err(|error| internal_datafusion_err!("coarse stage task failed: {error}"))??
+            let (slice, schema, needed, predicate) = (
+                Arc::clone(&slice),
+                Arc::clone(&schema),
+                needed.clone(),
+                body.predicate.clone(),
+            );
+            tokio::task::spawn_blocking(move || {
+                MatchHints::compute(&slice, &schema, &needed, predicate.as_ref())
+            })
+            .await
+            .map_err(|error| internal_datafusion_err!("coarse stage task failed: {error}"))??
         };
 
         let mut source = ParquetSource::new(Arc::clone(&schema))
@@ -129,21 +139,28 @@ impl SliceExecutor {
             .with_bloom_filter_on_read(false);
         if self.options.pushdown_filters {
             if let Some(predicate) = &body.predicate {
-                source = source.with_predicate(Arc::clone(predicate)).with_pushdown_filters(true);
+                source = source
+                    .with_predicate(Arc::clone(predicate))
+                    .with_pushdown_filters(true);
             }
         }
         let file = PartitionedFile::new(slice.object_path.to_string(), slice.summary.bytes)
             .with_extension(hints.access_plan.clone());
-        let config = FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source))
-            .with_file(file)
-            .with_projection_indices(Some(needed.clone()))?
-            .with_batch_size(Some(self.options.batch_rows))
-            .build();
+        let config =
+            FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source))
+                .with_file(file)
+                .with_projection_indices(Some(needed.clone()))?
+                .with_batch_size(Some(self.options.batch_rows))
+                .build();
         let scan: Arc<dyn ExecutionPlan> = DataSourceExec::from_data_source(config);
         let shipped: Vec<usize> = body
             .projection
             .iter()
-            .map(|column| needed.binary_search(column).expect("needed holds every projected column"))
+            .map(|column| {
+                needed
+                    .binary_search(column)
+                    .expect("needed holds every projected column")
+            })
             .collect();
         let plan: Arc<dyn ExecutionPlan> = match &body.predicate {
             Some(predicate) => {
@@ -162,7 +179,10 @@ impl SliceExecutor {
                     .iter()
                     .map(|&index| {
                         let name = input_schema.field(index).name().clone();
-                        (Arc::new(Column::new(&name, index)) as Arc<dyn PhysicalExpr>, name)
+                        (
+                            Arc::new(Column::new(&name, index)) as Arc<dyn PhysicalExpr>,
+                            name,
+                        )
                     })
                     .collect();
                 Arc::new(ProjectionExec::try_new(expressions, scan)?)
@@ -179,14 +199,27 @@ impl SliceExecutor {
         })
     }
 
-    fn decoded_body(&self, envelope: &FragmentEnvelope, schema: &SchemaRef) -> Result<Arc<DecodedBody>> {
+    fn decoded_body(
+        &self,
+        envelope: &FragmentEnvelope,
+        schema: &SchemaRef,
+    ) -> Result<Arc<DecodedBody>> {
         let mut hasher = DefaultHasher::new();
         envelope.body.hash(&mut hasher);
         let key = (envelope.table.clone(), hasher.finish());
-        if let Some(found) = self.cache.lock().expect("cache lock is never poisoned").get(&key) {
+        if let Some(found) = self
+            .cache
+            .lock()
+            .expect("cache lock is never poisoned")
+            .get(&key)
+        {
             return Ok(Arc::clone(found));
         }
-        let body = Arc::new(DecodedBody::decode(&envelope.body, schema, &self.task_context)?);
+        let body = Arc::new(DecodedBody::decode(
+            &envelope.body,
+            schema,
+            &self.task_context,
+        )?);
         self.fragments_decoded.fetch_add(1, Ordering::Relaxed);
         let mut cache = self.cache.lock().expect("cache lock is never poisoned");
         if cache.len() >= self.options.fragment_cache_entries_max {
@@ -209,7 +242,10 @@ pub struct SliceStream {
 
 impl std::fmt::Debug for SliceStream {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.debug_struct("SliceStream").field("schema", &self.schema).finish_non_exhaustive()
+        formatter
+            .debug_struct("SliceStream")
+            .field("schema", &self.schema)
+            .finish_non_exhaustive()
     }
 }
 
@@ -242,7 +278,11 @@ fn collect_metric(plan: &Arc<dyn ExecutionPlan>, name: &str) -> usize {
         .and_then(|metrics| metrics.sum_by_name(name))
         .map(|value| value.as_usize())
         .unwrap_or(0);
-    own + plan.children().iter().map(|child| collect_metric(child, name)).sum::<usize>()
+    own + plan
+        .children()
+        .iter()
+        .map(|child| collect_metric(child, name))
+        .sum::<usize>()
 }
 
 impl Stream for SliceStream {

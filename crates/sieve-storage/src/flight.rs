@@ -46,7 +46,10 @@ impl StorageFlightService {
     /// A service over `executor`; slice files are announced at
     /// `range_base_url` (e.g. `http://127.0.0.1:8080`).
     pub fn new(executor: Arc<SliceExecutor>, range_base_url: String) -> Self {
-        Self { executor, range_base_url }
+        Self {
+            executor,
+            range_base_url,
+        }
     }
 
     fn flight_infos(&self) -> Result<Vec<FlightInfo>, Status> {
@@ -61,14 +64,21 @@ impl StorageFlightService {
             for slice in table.slices.values() {
                 rows += slice.summary.rows;
                 bytes += slice.summary.bytes;
-                let summary = serde_json::to_vec(&slice.summary).map_err(|error| Status::internal(error.to_string()))?;
+                let summary = serde_json::to_vec(&slice.summary)
+                    .map_err(|error| Status::internal(error.to_string()))?;
                 info = info.with_endpoint(
                     FlightEndpoint::new()
-                        .with_location(format!("{}/slices/{name}/{}", self.range_base_url, slice.summary.file))
+                        .with_location(format!(
+                            "{}/slices/{name}/{}",
+                            self.range_base_url, slice.summary.file
+                        ))
                         .with_app_metadata(summary),
                 );
             }
-            infos.push(info.with_total_records(rows as i64).with_total_bytes(bytes as i64));
+            infos.push(
+                info.with_total_records(rows as i64)
+                    .with_total_bytes(bytes as i64),
+            );
         }
         Ok(infos)
     }
@@ -99,34 +109,63 @@ impl FlightService for StorageFlightService {
         &self,
         _request: Request<Streaming<HandshakeRequest>>,
     ) -> Result<Response<Self::HandshakeStream>, Status> {
-        Err(Status::unimplemented("handshake: Sieve storage nodes need no authentication on a private network"))
+        Err(Status::unimplemented(
+            "handshake: Sieve storage nodes need no authentication on a private network",
+        ))
     }
 
-    async fn list_flights(&self, _request: Request<Criteria>) -> Result<Response<Self::ListFlightsStream>, Status> {
+    async fn list_flights(
+        &self,
+        _request: Request<Criteria>,
+    ) -> Result<Response<Self::ListFlightsStream>, Status> {
         let infos = self.flight_infos()?;
-        Ok(Response::new(Box::pin(stream::iter(infos.into_iter().map(Ok)))))
+        Ok(Response::new(Box::pin(stream::iter(
+            infos.into_iter().map(Ok),
+        ))))
     }
 
-    async fn get_flight_info(&self, request: Request<FlightDescriptor>) -> Result<Response<FlightInfo>, Status> {
+    async fn get_flight_info(
+        &self,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
         let descriptor = request.into_inner();
         let name = descriptor.path.first().cloned().unwrap_or_default();
-        self.executor.catalog().table(&name).map_err(|error| Status::not_found(error.to_string()))?;
+        self.executor
+            .catalog()
+            .table(&name)
+            .map_err(|error| Status::not_found(error.to_string()))?;
         let info = self
             .flight_infos()?
             .into_iter()
-            .find(|info| info.flight_descriptor.as_ref().is_some_and(|found| found.path == descriptor.path))
-            .ok_or_else(|| Status::not_found(format!("table '{name}' is not held by this storage node")))?;
+            .find(|info| {
+                info.flight_descriptor
+                    .as_ref()
+                    .is_some_and(|found| found.path == descriptor.path)
+            })
+            .ok_or_else(|| {
+                Status::not_found(format!("table '{name}' is not held by this storage node"))
+            })?;
         Ok(Response::new(info))
     }
 
-    async fn poll_flight_info(&self, _request: Request<FlightDescriptor>) -> Result<Response<PollInfo>, Status> {
+    async fn poll_flight_info(
+        &self,
+        _request: Request<FlightDescriptor>,
+    ) -> Result<Response<PollInfo>, Status> {
         Err(Status::unimplemented("poll_flight_info is not supported"))
     }
 
-    async fn get_schema(&self, request: Request<FlightDescriptor>) -> Result<Response<SchemaResult>, Status> {
+    async fn get_schema(
+        &self,
+        request: Request<FlightDescriptor>,
+    ) -> Result<Response<SchemaResult>, Status> {
         let descriptor = request.into_inner();
         let name = descriptor.path.first().cloned().unwrap_or_default();
-        let table = self.executor.catalog().table(&name).map_err(|error| Status::not_found(error.to_string()))?;
+        let table = self
+            .executor
+            .catalog()
+            .table(&name)
+            .map_err(|error| Status::not_found(error.to_string()))?;
         let options = IpcWriteOptions::default();
         let result = arrow_flight::SchemaAsIpc::new(&table.schema, &options)
             .try_into()
@@ -134,52 +173,89 @@ impl FlightService for StorageFlightService {
         Ok(Response::new(result))
     }
 
-    async fn do_get(&self, request: Request<Ticket>) -> Result<Response<Self::DoGetStream>, Status> {
+    async fn do_get(
+        &self,
+        request: Request<Ticket>,
+    ) -> Result<Response<Self::DoGetStream>, Status> {
         let ticket = request.into_inner().ticket;
         let envelope = FragmentEnvelope::decode_checked(&ticket).map_err(to_status)?;
         self.executor
             .catalog()
             .slice(&envelope.table, envelope.slice)
             .map_err(|error| Status::not_found(error.find_root().message().into_owned()))?;
-        let executed = AssertUnwindSafe(self.executor.execute(&ticket)).catch_unwind().await;
+        let executed = AssertUnwindSafe(self.executor.execute(&ticket))
+            .catch_unwind()
+            .await;
         let slice_stream = match executed {
             Ok(result) => result.map_err(to_status)?,
-            Err(_) => return Err(Status::internal("storage node failed while planning the fragment (panic caught)")),
+            Err(_) => {
+                return Err(Status::internal(
+                    "storage node failed while planning the fragment (panic caught)",
+                ))
+            }
         };
         let schema = slice_stream.schema();
         let metrics_slot: Arc<Mutex<Option<SliceMetrics>>> = Arc::new(Mutex::new(None));
-        let batches = FinishingStream { inner: Some(slice_stream), slot: Arc::clone(&metrics_slot) };
-        let batches = AssertUnwindSafe(batches).catch_unwind().map(|item| match item {
-            Ok(Ok(batch)) => Ok(batch),
-            Ok(Err(error)) => Err(FlightError::Tonic(Box::new(to_status(error)))),
-            Err(_) => Err(FlightError::Tonic(Box::new(Status::internal(
-                "storage node failed while executing the fragment (panic caught)",
-            )))),
-        });
+        let batches = FinishingStream {
+            inner: Some(slice_stream),
+            slot: Arc::clone(&metrics_slot),
+        };
+        let batches = AssertUnwindSafe(batches)
+            .catch_unwind()
+            .map(|item| match item {
+                Ok(Ok(batch)) => Ok(batch),
+                Ok(Err(error)) => Err(FlightError::Tonic(Box::new(to_status(error)))),
+                Err(_) => Err(FlightError::Tonic(Box::new(Status::internal(
+                    "storage node failed while executing the fragment (panic caught)",
+                )))),
+            });
         let options = IpcWriteOptions::default()
             .try_with_compression(Some(CompressionType::ZSTD))
             .map_err(|error| Status::internal(error.to_string()))?;
-        let encoded = FlightDataEncoderBuilder::new().with_schema(schema).with_options(options).build(batches);
+        let encoded = FlightDataEncoderBuilder::new()
+            .with_schema(schema)
+            .with_options(options)
+            .build(batches);
         let trailer = stream::once(async move {
-            let metrics = metrics_slot.lock().expect("metrics lock is never poisoned").take().unwrap_or_default();
+            let metrics = metrics_slot
+                .lock()
+                .expect("metrics lock is never poisoned")
+                .take()
+                .unwrap_or_default();
             Ok(FlightData::new().with_app_metadata(metrics.encode_to_vec()))
         });
-        let output = encoded.chain(trailer).map_err(|error: FlightError| match error {
-            FlightError::Tonic(status) => *status,
-            other => Status::internal(other.to_string()),
-        });
+        let output = encoded
+            .chain(trailer)
+            .map_err(|error: FlightError| match error {
+                FlightError::Tonic(status) => *status,
+                other => Status::internal(other.to_string()),
+            });
         Ok(Response::new(Box::pin(output)))
     }
 
-    async fn do_put(&self, _request: Request<Streaming<FlightData>>) -> Result<Response<Self::DoPutStream>, Status> {
-        Err(Status::unimplemented("do_put: slices are loaded with `sieve gen`"))
+    async fn do_put(
+        &self,
+        _request: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoPutStream>, Status> {
+        Err(Status::unimplemented(
+            "do_put: slices are loaded with `sieve gen`",
+        ))
     }
 
-    async fn do_action(&self, request: Request<Action>) -> Result<Response<Self::DoActionStream>, Status> {
-        Err(Status::unimplemented(format!("action '{}' is not supported", request.into_inner().r#type)))
+    async fn do_action(
+        &self,
+        request: Request<Action>,
+    ) -> Result<Response<Self::DoActionStream>, Status> {
+        Err(Status::unimplemented(format!(
+            "action '{}' is not supported",
+            request.into_inner().r#type
+        )))
     }
 
-    async fn list_actions(&self, _request: Request<Empty>) -> Result<Response<Self::ListActionsStream>, Status> {
+    async fn list_actions(
+        &self,
+        _request: Request<Empty>,
+    ) -> Result<Response<Self::ListActionsStream>, Status> {
         Ok(Response::new(Box::pin(stream::empty())))
     }
 
@@ -205,7 +281,9 @@ impl Stream for FinishingStream {
         mut self: Pin<&mut Self>,
         context: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Self::Item>> {
-        let Some(inner) = self.inner.as_mut() else { return std::task::Poll::Ready(None) };
+        let Some(inner) = self.inner.as_mut() else {
+            return std::task::Poll::Ready(None);
+        };
         let polled = inner.poll_next_unpin(context);
         if let std::task::Poll::Ready(None) = polled {
             let finished = self.inner.take().expect("checked above");
@@ -214,4 +292,3 @@ impl Stream for FinishingStream {
         polled
     }
 }
-

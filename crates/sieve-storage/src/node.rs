@@ -69,7 +69,8 @@ impl StorageNode {
             }
         });
 
-        let service = StorageFlightService::new(Arc::clone(&executor), format!("http://{range_address}"));
+        let service =
+            StorageFlightService::new(Arc::clone(&executor), format!("http://{range_address}"));
         let server = FlightServiceServer::new(service)
             .max_decoding_message_size(FLIGHT_MESSAGE_BYTES_MAX)
             .max_encoding_message_size(FLIGHT_MESSAGE_BYTES_MAX);

@@ -31,7 +31,9 @@ pub(crate) struct RangeState {
 }
 
 pub(crate) fn router(state: RangeState) -> Router {
-    Router::new().route("/slices/{table}/{file}", get(serve).head(serve)).with_state(state)
+    Router::new()
+        .route("/slices/{table}/{file}", get(serve).head(serve))
+        .with_state(state)
 }
 
 async fn serve(
@@ -40,7 +42,15 @@ async fn serve(
     method: axum::http::Method,
     headers: HeaderMap,
 ) -> Response {
-    match serve_inner(&state, &table, &file, method == axum::http::Method::HEAD, &headers).await {
+    match serve_inner(
+        &state,
+        &table,
+        &file,
+        method == axum::http::Method::HEAD,
+        &headers,
+    )
+    .await
+    {
         Ok(response) => response,
         Err((status, message)) => (status, message).into_response(),
     }
@@ -53,30 +63,39 @@ async fn serve_inner(
     head_only: bool,
     headers: &HeaderMap,
 ) -> Result<Response, (StatusCode, String)> {
-    let slice = state
-        .catalog
-        .slice_by_file(table, file)
-        .ok_or_else(|| (StatusCode::NOT_FOUND, format!("no slice {table}/{file} on this storage node")))?;
+    let slice = state.catalog.slice_by_file(table, file).ok_or_else(|| {
+        (
+            StatusCode::NOT_FOUND,
+            format!("no slice {table}/{file} on this storage node"),
+        )
+    })?;
     let size = slice.summary.bytes;
     let range = match headers.get(header::RANGE) {
         None => None,
         Some(value) => Some(parse_range(value, size).ok_or_else(|| {
-            (StatusCode::RANGE_NOT_SATISFIABLE, format!("unsupported or unsatisfiable range {value:?} for {size} bytes"))
+            (
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                format!("unsupported or unsatisfiable range {value:?} for {size} bytes"),
+            )
         })?),
     };
     let (start, end) = range.unwrap_or((0, size)); // end exclusive
     let length = end - start;
     if length > RANGE_BYTES_MAX {
-        return Err((StatusCode::RANGE_NOT_SATISFIABLE, format!("range of {length} bytes is above the limit of {RANGE_BYTES_MAX}")));
+        return Err((
+            StatusCode::RANGE_NOT_SATISFIABLE,
+            format!("range of {length} bytes is above the limit of {RANGE_BYTES_MAX}"),
+        ));
     }
     let mut builder = Response::builder()
         .header(header::ACCEPT_RANGES, "bytes")
         .header(header::CONTENT_LENGTH, length)
         .header(header::CONTENT_TYPE, "application/vnd.apache.parquet");
     if range.is_some() {
-        builder = builder
-            .status(StatusCode::PARTIAL_CONTENT)
-            .header(header::CONTENT_RANGE, format!("bytes {start}-{}/{size}", end.saturating_sub(1)));
+        builder = builder.status(StatusCode::PARTIAL_CONTENT).header(
+            header::CONTENT_RANGE,
+            format!("bytes {start}-{}/{size}", end.saturating_sub(1)),
+        );
     } else {
         builder = builder.status(StatusCode::OK);
     }
@@ -84,7 +103,10 @@ async fn serve_inner(
         return builder.body(Body::empty()).map_err(internal);
     }
     let mut handle = tokio::fs::File::open(&slice.path).await.map_err(internal)?;
-    handle.seek(SeekFrom::Start(start)).await.map_err(internal)?;
+    handle
+        .seek(SeekFrom::Start(start))
+        .await
+        .map_err(internal)?;
     let mut buffer = vec![0u8; length as usize];
     handle.read_exact(&mut buffer).await.map_err(internal)?;
     state.bytes_served.fetch_add(length, Ordering::Relaxed);
@@ -107,7 +129,11 @@ fn parse_range(value: &HeaderValue, size: u64) -> Option<(u64, u64)> {
         (size.saturating_sub(suffix), size)
     } else {
         let start: u64 = first.parse().ok()?;
-        let end = if last.is_empty() { size } else { last.parse::<u64>().ok()?.saturating_add(1).min(size) };
+        let end = if last.is_empty() {
+            size
+        } else {
+            last.parse::<u64>().ok()?.saturating_add(1).min(size)
+        };
         (start, end)
     };
     (start < end && end <= size).then_some((start, end))

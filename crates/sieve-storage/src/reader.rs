@@ -34,7 +34,11 @@ impl ParquetFileReaderFactory for SliceReaderFactory {
         _metadata_size_hint: Option<usize>,
         metrics: &ExecutionPlanMetricsSet,
     ) -> Result<Box<dyn AsyncFileReader + Send>> {
-        let file_metrics = ParquetFileMetrics::new(partition_index, partitioned_file.object_meta.location.as_ref(), metrics);
+        let file_metrics = ParquetFileMetrics::new(
+            partition_index,
+            partitioned_file.object_meta.location.as_ref(),
+            metrics,
+        );
         Ok(Box::new(SliceReader {
             file_metrics,
             store: Arc::clone(&self.store),
@@ -53,18 +57,29 @@ struct SliceReader {
 
 impl AsyncFileReader for SliceReader {
     fn get_bytes(&mut self, range: Range<u64>) -> BoxFuture<'_, parquet::errors::Result<Bytes>> {
-        self.file_metrics.bytes_scanned.add((range.end - range.start) as usize);
+        self.file_metrics
+            .bytes_scanned
+            .add((range.end - range.start) as usize);
         async move {
-            self.store.get_range(&self.location, range).await.map_err(|error| ParquetError::External(Box::new(error)))
+            self.store
+                .get_range(&self.location, range)
+                .await
+                .map_err(|error| ParquetError::External(Box::new(error)))
         }
         .boxed()
     }
 
-    fn get_byte_ranges(&mut self, ranges: Vec<Range<u64>>) -> BoxFuture<'_, parquet::errors::Result<Vec<Bytes>>> {
+    fn get_byte_ranges(
+        &mut self,
+        ranges: Vec<Range<u64>>,
+    ) -> BoxFuture<'_, parquet::errors::Result<Vec<Bytes>>> {
         let total: u64 = ranges.iter().map(|range| range.end - range.start).sum();
         self.file_metrics.bytes_scanned.add(total as usize);
         async move {
-            self.store.get_ranges(&self.location, &ranges).await.map_err(|error| ParquetError::External(Box::new(error)))
+            self.store
+                .get_ranges(&self.location, &ranges)
+                .await
+                .map_err(|error| ParquetError::External(Box::new(error)))
         }
         .boxed()
     }
