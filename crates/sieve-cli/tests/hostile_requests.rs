@@ -54,13 +54,14 @@ async fn fixture() -> Fixture {
         .await
         .unwrap();
     let client = FlightServiceClient::new(channel);
-    let schema = cluster.nodes[0]
-        .executor()
-        .catalog()
-        .table("region")
-        .unwrap()
-        .schema
-        .clone();
+    let schema = Arc::clone(
+        &cluster.nodes[0]
+            .executor()
+            .catalog()
+            .table("region")
+            .unwrap()
+            .schema,
+    );
     Fixture {
         _cluster: cluster,
         client,

@@ -91,8 +91,11 @@ pub fn write_slice(
     std::fs::create_dir_all(parent)?;
     let temporary = path.with_extension("parquet.tmp");
     let file = File::create(&temporary)?;
-    let mut writer =
-        ArrowWriter::try_new(file, schema.clone(), Some(layout.writer_properties(schema)))?;
+    let mut writer = ArrowWriter::try_new(
+        file,
+        std::sync::Arc::clone(schema),
+        Some(layout.writer_properties(schema)),
+    )?;
     let mut rows = 0;
     for batch in batches {
         let batch = batch?;

@@ -137,7 +137,7 @@ pub fn generate_tpch(
             "at least one storage node is needed".into(),
         ));
     }
-    if !(scale_factor > 0.0) {
+    if scale_factor.is_nan() || scale_factor <= 0.0 {
         return Err(ParquetError::General(format!(
             "scale factor must be positive, got {scale_factor}"
         )));

@@ -72,7 +72,7 @@ impl NodeCatalog {
                 };
                 let (schema, slice) = open_slice(&root, &table_name, slice_number, &entry.path())?;
                 let table = table.get_or_insert_with(|| CatalogTable {
-                    schema: schema.clone(),
+                    schema: Arc::clone(&schema),
                     slices: BTreeMap::new(),
                 });
                 if table.schema.fields() != schema.fields() {
@@ -164,8 +164,8 @@ fn open_slice(
     let bytes = file.metadata()?.len();
     let options = ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Required);
     let reader_metadata = ArrowReaderMetadata::load(&file, options)?;
-    let schema = reader_metadata.schema().clone();
-    let metadata = reader_metadata.metadata().clone();
+    let schema = Arc::clone(reader_metadata.schema());
+    let metadata = Arc::clone(reader_metadata.metadata());
     if schema
         .fields()
         .iter()
