@@ -254,7 +254,10 @@ fn column_summary(name: &str, schema: &SchemaRef, metadata: &ParquetMetaData) ->
                 }
             };
         }
-        best.map(|value| value.to_string())
+        // Arrow's display (`5.00`, `1992-01-01`), which the compute node casts back;
+        // ScalarValue's Display is not parseable for decimals.
+        let value = best?.to_array().ok()?;
+        arrow::util::display::array_value_to_string(&value, 0).ok()
     };
     summary.min = fold(
         converter.row_group_mins(metadata.row_groups().iter()).ok(),
