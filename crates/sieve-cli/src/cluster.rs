@@ -1,10 +1,10 @@
 //! An embedded cluster: storage nodes inside this process, on loopback.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use datafusion::common::Result;
-use sieve_format::node_directory;
+use sieve_format::{generate_tpch, is_generated, node_directory, SliceLayout};
 use sieve_storage::{ExecuteOptions, StorageNode, StorageNodeConfig};
 
 /// Storage nodes started in this process, one per `node-K` directory.
@@ -38,4 +38,32 @@ impl EmbeddedCluster {
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(StorageNode::flight_url).collect()
     }
+}
+
+/// TPC-H at `scale_factor` over `nodes` node directories under `root`,
+/// generated if `root` does not hold a complete load of this format version.
+/// Generation goes to a directory of its own and is renamed into place, so
+/// concurrent callers (test processes) never see a partial load: the loser of
+/// the rename discards its copy.
+pub fn generated_tpch(
+    root: &Path,
+    scale_factor: f64,
+    nodes: usize,
+    layout: &SliceLayout,
+) -> Result<PathBuf> {
+    if is_generated(root) {
+        return Ok(root.to_path_buf());
+    }
+    let staging = root.with_extension(format!("staging-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&staging);
+    generate_tpch(&staging, scale_factor, nodes, layout)?;
+    if std::fs::rename(&staging, root).is_err() {
+        // Another process won, or an old load of another version is in the way.
+        if !is_generated(root) {
+            std::fs::remove_dir_all(root)?;
+            std::fs::rename(&staging, root)?;
+        }
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    Ok(root.to_path_buf())
 }

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use datafusion::common::{exec_err, Result};
 use sieve_compute::{connect_session, SieveSession};
-use sieve_format::{generate_tpch, is_generated, SliceLayout};
+use sieve_format::{is_generated, SliceLayout};
 
 use crate::cluster::EmbeddedCluster;
 use crate::compare::{rows_as_text, run};
@@ -55,7 +55,7 @@ pub fn ensure_data(options: &DemoOptions) -> Result<PathBuf> {
             root.display()
         );
         let started = Instant::now();
-        generate_tpch(
+        crate::cluster::generated_tpch(
             &root,
             options.scale_factor,
             options.nodes,

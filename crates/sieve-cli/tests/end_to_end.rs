@@ -5,11 +5,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use datafusion::physical_plan::{collect, ExecutionPlan};
-use sieve_cli::cluster::EmbeddedCluster;
+use sieve_cli::cluster::{generated_tpch, EmbeddedCluster};
 use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_cli::queries::{is_ordered, TPCH_QUERIES};
 use sieve_compute::{connect_session, SieveScanExec, SieveSession};
-use sieve_format::{generate_tpch, is_generated, SliceLayout};
+use sieve_format::SliceLayout;
 
 const NODES: usize = 3;
 const SCALE_FACTOR: f64 = 0.01;
@@ -19,26 +19,15 @@ const SCALE_FACTOR: f64 = 0.01;
 /// test processes each generate into their own directory and rename it into
 /// place; the loser discards its copy.
 fn test_data() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tpch-sf0.01-slices5000");
-    if is_generated(&root) {
-        return root;
-    }
-    let staging = root.with_extension(format!("staging-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&staging);
+    let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "tpch-sf0.01-slices5000-v{}",
+        sieve_format::FORMAT_VERSION
+    ));
     let layout = SliceLayout {
         slice_rows_max: 5000,
         ..SliceLayout::default()
     };
-    generate_tpch(&staging, SCALE_FACTOR, NODES, &layout).expect("generate TPC-H");
-    if std::fs::rename(&staging, &root).is_err() {
-        let _ = std::fs::remove_dir_all(&staging);
-    }
-    assert!(
-        is_generated(&root),
-        "test data at {} is complete",
-        root.display()
-    );
-    root
+    generated_tpch(&root, SCALE_FACTOR, NODES, &layout).expect("generate TPC-H")
 }
 
 async fn start() -> (PathBuf, EmbeddedCluster, SieveSession) {

@@ -13,31 +13,21 @@ use datafusion_proto::physical_plan::to_proto::serialize_physical_expr;
 use datafusion_proto::physical_plan::DefaultPhysicalExtensionCodec;
 use futures::StreamExt;
 use prost::Message;
-use sieve_cli::cluster::EmbeddedCluster;
-use sieve_format::{generate_tpch, is_generated, SliceLayout};
+use sieve_cli::cluster::{generated_tpch, EmbeddedCluster};
+use sieve_format::SliceLayout;
 use sieve_fragment::{schema_fingerprint, Fragment, FragmentBody, FragmentEnvelope};
 use tonic::Code;
 
 fn test_data() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tpch-sf0.01-one-node");
-    if !is_generated(&root) {
-        let staging = root.with_extension(format!("staging-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&staging);
-        generate_tpch(
-            &staging,
-            0.01,
-            1,
-            &SliceLayout {
-                slice_rows_max: 20_000,
-                ..SliceLayout::default()
-            },
-        )
-        .unwrap();
-        if std::fs::rename(&staging, &root).is_err() {
-            let _ = std::fs::remove_dir_all(&staging);
-        }
-    }
-    root
+    let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "tpch-sf0.01-one-node-v{}",
+        sieve_format::FORMAT_VERSION
+    ));
+    let layout = SliceLayout {
+        slice_rows_max: 20_000,
+        ..SliceLayout::default()
+    };
+    generated_tpch(&root, 0.01, 1, &layout).expect("generate TPC-H")
 }
 
 struct Fixture {
@@ -94,6 +84,7 @@ fn valid_ticket(schema: &arrow::datatypes::Schema) -> Vec<u8> {
     let body = Fragment {
         projection: (0..schema.fields().len()).collect(),
         predicate: None,
+        aggregate: None,
     }
     .encode_body(schema)
     .unwrap();
@@ -168,6 +159,7 @@ async fn fragment_with_a_disallowed_function_is_refused() {
     // The compute side refuses to encode it...
     let refused = Fragment {
         projection: vec![0],
+        aggregate: None,
         predicate: Some(Arc::clone(&predicate)),
     }
     .encode_body(&fixture.schema);
@@ -179,6 +171,7 @@ async fn fragment_with_a_disallowed_function_is_refused() {
     let body = FragmentBody {
         schema_fingerprint: schema_fingerprint(&fixture.schema),
         projection: vec![0],
+        aggregate: None,
         predicate: Some(
             serialize_physical_expr(&predicate, &DefaultPhysicalExtensionCodec {}).unwrap(),
         ),
@@ -203,6 +196,7 @@ async fn unknown_table_is_refused() {
     let body = Fragment {
         projection: vec![0],
         predicate: None,
+        aggregate: None,
     }
     .encode_body(&fixture.schema)
     .unwrap();
@@ -228,6 +222,7 @@ async fn slice_outside_the_catalog_is_refused() {
     let body = Fragment {
         projection: vec![0],
         predicate: None,
+        aggregate: None,
     }
     .encode_body(&fixture.schema)
     .unwrap();
@@ -254,6 +249,7 @@ async fn slice_outside_the_catalog_is_refused() {
     let body = Fragment {
         projection: vec![0],
         predicate: None,
+        aggregate: None,
     }
     .encode_body(&other)
     .unwrap();

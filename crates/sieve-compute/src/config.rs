@@ -1,7 +1,11 @@
 //! Session settings under the `sieve.` prefix (`SET sieve.ndp = off`).
 
+use std::time::Duration;
+
 use datafusion::common::config::ConfigExtension;
 use datafusion::common::{extensions_options, plan_err, Result};
+
+use crate::join_filter::JoinFilterSettings;
 
 extensions_options! {
     /// Sieve's session settings.
@@ -13,6 +17,25 @@ extensions_options! {
         /// Slice requests kept in flight per output partition: how far the
         /// scan reads ahead of its consumer.
         pub slices_in_flight: usize, default = 4
+        /// Push partial aggregations into fragments where statistics say
+        /// they shrink the data.
+        pub aggregate_pushdown: bool, default = true
+        /// Push an aggregation only if its estimated groups per slice are at
+        /// most this fraction of the slice's rows.
+        pub aggregate_group_ratio_max: f64, default = 0.5
+        /// Apply hash joins' build-side keys (range, IN list, Bloom filter)
+        /// on the storage nodes of the probe side.
+        pub join_filters: bool, default = true
+        /// Build-side keys up to this many go as an exact IN list.
+        pub join_filter_list_max: usize, default = 1024
+        /// Build-side keys up to this many go as a Bloom filter (beyond, the
+        /// key range only). DataFusion hands over key lists up to this size.
+        pub join_filter_keys_max: usize, default = 262144
+        /// False-positive rate the join Bloom filters are sized for.
+        pub join_filter_bloom_fpp: f64, default = 0.01
+        /// Longest wait for a join's build side before a probe scan goes
+        /// ahead without its filter, in milliseconds.
+        pub join_filter_wait_ms: u64, default = 600000
     }
 }
 
@@ -30,6 +53,17 @@ pub enum NdpMode {
 }
 
 impl SieveConfig {
+    /// The join filter settings.
+    pub fn join_filter_settings(&self) -> JoinFilterSettings {
+        JoinFilterSettings {
+            enabled: self.join_filters,
+            list_max: self.join_filter_list_max,
+            keys_max: self.join_filter_keys_max,
+            bloom_fpp: self.join_filter_bloom_fpp,
+            wait: Duration::from_millis(self.join_filter_wait_ms),
+        }
+    }
+
     /// The `sieve.ndp` setting, validated.
     pub fn mode(&self) -> Result<NdpMode> {
         match self.ndp.to_ascii_lowercase().as_str() {

@@ -15,15 +15,20 @@
 //! request never contributes a partial slice.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arrow::datatypes::{Schema, SchemaRef};
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
-use datafusion::common::tree_node::TreeNodeRecursion;
-use datafusion::common::{internal_err, Result, Statistics};
+use datafusion::common::config::ConfigOptions;
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+use datafusion::common::{internal_err, DataFusionError, Result, Statistics};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_expr::expressions::DynamicFilterPhysicalExpr;
+use datafusion::physical_expr::{conjunction as physical_conjunction, EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_plan::filter_pushdown::{
+    ChildPushdownResult, FilterPushdownPhase, FilterPushdownPropagation, PushedDown,
+};
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricBuilder, MetricsSet};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
@@ -33,6 +38,7 @@ use datafusion::physical_plan::{
 use futures::{stream, StreamExt, TryStreamExt};
 use sieve_fragment::FragmentEnvelope;
 
+use crate::join_filter::{resolve, JoinFilterSettings, JoinFilterSlot};
 use crate::{ClusterCatalog, ClusterTable, Traffic};
 
 /// A scan whose filter and projection run on the storage nodes.
@@ -47,11 +53,30 @@ pub struct SieveScanExec {
     /// still ships one column so row counts survive, and it is dropped here.
     output_no_columns: bool,
     predicate: Option<Arc<dyn PhysicalExpr>>,
-    /// The encoded fragment body, shared by every slice request.
+    /// A partial aggregation run on the storage nodes, over the shipped
+    /// columns (leaf `SliceInputExec`); the scan then outputs partial states.
+    aggregate: Option<PushedAggregate>,
+    /// Why an aggregation above this scan was not pushed, for EXPLAIN.
+    aggregate_note: Option<String>,
+    /// Dynamic filters from joins above, applied on the storage nodes.
+    join_filters: Vec<JoinFilterSlot>,
+    join_settings: JoinFilterSettings,
+    /// What the join filters resolved to in the last execution, for EXPLAIN ANALYZE.
+    join_filters_resolved: Arc<Mutex<Vec<String>>>,
+    /// The encoded fragment body without join filters, shared by every slice request.
     body: Arc<Vec<u8>>,
     slices_in_flight: usize,
     properties: Arc<PlanProperties>,
     metrics: ExecutionPlanMetricsSet,
+}
+
+/// A partial aggregation pushed into the fragment.
+#[derive(Debug, Clone)]
+pub struct PushedAggregate {
+    /// The operators, leaf a `SliceInputExec` with the scan's shipped schema.
+    pub plan: Arc<dyn ExecutionPlan>,
+    /// For EXPLAIN: what is computed and the estimate that justified it.
+    pub description: String,
 }
 
 impl SieveScanExec {
@@ -66,6 +91,7 @@ impl SieveScanExec {
         predicate: Option<Arc<dyn PhysicalExpr>>,
         partitions: usize,
         slices_in_flight: usize,
+        join_settings: JoinFilterSettings,
     ) -> Result<Self> {
         let output_no_columns = projection.is_empty();
         let shipped = if output_no_columns {
@@ -76,6 +102,7 @@ impl SieveScanExec {
         let fragment = sieve_fragment::Fragment {
             projection: shipped.clone(),
             predicate: predicate.clone(),
+            aggregate: None,
         };
         let body = Arc::new(fragment.encode_body(&table.schema)?);
         let schema = if output_no_columns {
@@ -84,12 +111,6 @@ impl SieveScanExec {
             Arc::new(table.schema.project(&shipped)?)
         };
         let partitions = partitions.clamp(1, table.slices.len().max(1));
-        let properties = Arc::new(PlanProperties::new(
-            EquivalenceProperties::new(schema),
-            Partitioning::UnknownPartitioning(partitions),
-            EmissionType::Incremental,
-            Boundedness::Bounded,
-        ));
         Ok(Self {
             table,
             catalog,
@@ -97,11 +118,121 @@ impl SieveScanExec {
             shipped,
             output_no_columns,
             predicate,
+            aggregate: None,
+            aggregate_note: None,
+            join_filters: vec![],
+            join_settings,
+            join_filters_resolved: Arc::new(Mutex::new(vec![])),
             body,
             slices_in_flight: slices_in_flight.max(1),
-            properties,
+            properties: properties(schema, partitions),
             metrics: ExecutionPlanMetricsSet::new(),
         })
+    }
+
+    fn copy(&self) -> Self {
+        Self {
+            table: Arc::clone(&self.table),
+            catalog: Arc::clone(&self.catalog),
+            traffic: Arc::clone(&self.traffic),
+            shipped: self.shipped.clone(),
+            output_no_columns: self.output_no_columns,
+            predicate: self.predicate.clone(),
+            aggregate: self.aggregate.clone(),
+            aggregate_note: self.aggregate_note.clone(),
+            join_filters: self.join_filters.clone(),
+            join_settings: self.join_settings.clone(),
+            join_filters_resolved: Arc::new(Mutex::new(vec![])),
+            body: Arc::clone(&self.body),
+            slices_in_flight: self.slices_in_flight,
+            properties: Arc::clone(&self.properties),
+            metrics: ExecutionPlanMetricsSet::new(),
+        }
+    }
+
+    /// This scan with `aggregate` (a partial aggregation over this scan's
+    /// output, leaf a `SliceInputExec`) pushed into its fragment. The new
+    /// scan's output is the aggregation's partial states.
+    pub fn with_aggregate(&self, aggregate: PushedAggregate) -> Result<Self> {
+        let fragment = sieve_fragment::Fragment {
+            projection: self.shipped.clone(),
+            predicate: self.predicate.clone(),
+            aggregate: Some(Arc::clone(&aggregate.plan)),
+        };
+        let body = Arc::new(fragment.encode_body(&self.table.schema)?);
+        let partitions = self.properties.partitioning.partition_count();
+        let schema = aggregate.plan.schema();
+        Ok(Self {
+            aggregate: Some(aggregate),
+            aggregate_note: None,
+            body,
+            properties: properties(schema, partitions),
+            ..self.copy()
+        })
+    }
+
+    /// This scan with a note on why an aggregation was not pushed.
+    pub fn with_aggregate_note(&self, note: String) -> Self {
+        Self {
+            aggregate_note: Some(note),
+            ..self.copy()
+        }
+    }
+
+    /// This scan, told that the dynamic filter with `expression_id` comes
+    /// from the hash join whose build side is `source`: it will wait for it.
+    pub fn with_join_filter_source(&self, expression_id: u64, source: &str) -> Self {
+        let mut join_filters = self.join_filters.clone();
+        for slot in &mut join_filters {
+            if contains_expression_id(&slot.filter, expression_id) {
+                slot.source = Some(source.to_string());
+            }
+        }
+        Self {
+            join_filters,
+            ..self.copy()
+        }
+    }
+
+    /// Whether any held dynamic filter has `expression_id`.
+    pub fn holds_expression_id(&self, expression_id: u64) -> bool {
+        self.join_filters
+            .iter()
+            .any(|slot| contains_expression_id(&slot.filter, expression_id))
+    }
+
+    /// The pushed aggregation, if any.
+    pub fn aggregate(&self) -> Option<&PushedAggregate> {
+        self.aggregate.as_ref()
+    }
+
+    /// The table scanned.
+    pub fn table(&self) -> &Arc<ClusterTable> {
+        &self.table
+    }
+
+    /// Table columns shipped, in output order (before any aggregation).
+    pub fn shipped_columns(&self) -> &[usize] {
+        &self.shipped
+    }
+
+    /// Whether the plan above wants no columns (only row counts).
+    pub fn outputs_no_columns(&self) -> bool {
+        self.output_no_columns
+    }
+
+    /// Schema of the filtered, projected rows (the input of a pushed aggregation).
+    pub fn row_schema(&self) -> SchemaRef {
+        if self.output_no_columns {
+            Arc::new(Schema::empty())
+        } else {
+            Arc::new(
+                self.table
+                    .schema
+                    .project(&self.shipped)
+                    .expect("shipped columns exist"),
+            )
+        }
     }
 
     /// The pushed predicate.
@@ -116,6 +247,39 @@ impl SieveScanExec {
             .map(|&index| self.table.schema.field(index).name().clone())
             .collect()
     }
+}
+
+fn properties(schema: SchemaRef, partitions: usize) -> Arc<PlanProperties> {
+    Arc::new(PlanProperties::new(
+        EquivalenceProperties::new(schema),
+        Partitioning::UnknownPartitioning(partitions),
+        EmissionType::Incremental,
+        Boundedness::Bounded,
+    ))
+}
+
+fn contains_expression_id(expr: &Arc<dyn PhysicalExpr>, expression_id: u64) -> bool {
+    let mut found = false;
+    let _ = expr.apply(|node| {
+        if node.expression_id() == Some(expression_id) {
+            found = true;
+            return Ok(TreeNodeRecursion::Stop);
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    found
+}
+
+fn contains_dynamic_filter(expr: &Arc<dyn PhysicalExpr>) -> bool {
+    let mut found = false;
+    let _ = expr.apply(|node| {
+        if node.downcast_ref::<DynamicFilterPhysicalExpr>().is_some() {
+            found = true;
+            return Ok(TreeNodeRecursion::Stop);
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    found
 }
 
 /// The narrowest column by fixed width, used when no column is needed.
@@ -147,6 +311,28 @@ impl DisplayAs for SieveScanExec {
             ", pushed columns: [{}]",
             self.pushed_columns().join(", ")
         )?;
+        if let Some(aggregate) = &self.aggregate {
+            write!(formatter, ", pushed aggregate: {}", aggregate.description)?;
+        }
+        if let Some(note) = &self.aggregate_note {
+            write!(formatter, ", aggregate not pushed: {note}")?;
+        }
+        let resolved = self
+            .join_filters_resolved
+            .lock()
+            .expect("never poisoned")
+            .clone();
+        if resolved.is_empty() {
+            for slot in &self.join_filters {
+                if let Some(source) = &slot.source {
+                    write!(formatter, ", join filter from {source}: pending")?;
+                }
+            }
+        } else {
+            for description in resolved {
+                write!(formatter, ", {description}")?;
+            }
+        }
         if matches!(format, DisplayFormatType::Verbose) {
             write!(formatter, ", fragment bytes={}", self.body.len())?;
         }
@@ -163,10 +349,51 @@ impl ExecutionPlan for SieveScanExec {
         &self,
         f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
     ) -> Result<TreeNodeRecursion> {
-        match &self.predicate {
-            Some(predicate) => f(predicate),
-            None => Ok(TreeNodeRecursion::Continue),
+        if let Some(predicate) = &self.predicate {
+            if f(predicate)? == TreeNodeRecursion::Stop {
+                return Ok(TreeNodeRecursion::Stop);
+            }
         }
+        for slot in &self.join_filters {
+            if f(&slot.filter)? == TreeNodeRecursion::Stop {
+                return Ok(TreeNodeRecursion::Stop);
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn handle_child_pushdown_result(
+        &self,
+        phase: FilterPushdownPhase,
+        child_pushdown_result: ChildPushdownResult,
+        _config: &ConfigOptions,
+    ) -> Result<FilterPushdownPropagation<Arc<dyn ExecutionPlan>>> {
+        // Every filter stays the parent's to enforce (`No`); dynamic ones are
+        // also kept here, to be resolved and applied on the storage nodes.
+        let filters = child_pushdown_result.parent_filters;
+        let verdicts = vec![PushedDown::No; filters.len()];
+        let accept = phase == FilterPushdownPhase::Post
+            && self.join_settings.enabled
+            && self.aggregate.is_none();
+        let mut join_filters = self.join_filters.clone();
+        if accept {
+            for result in filters {
+                if contains_dynamic_filter(&result.filter) {
+                    join_filters.push(JoinFilterSlot {
+                        filter: result.filter,
+                        source: None,
+                    });
+                }
+            }
+        }
+        let mut propagation = FilterPushdownPropagation::with_parent_pushdown_result(verdicts);
+        if join_filters.len() != self.join_filters.len() {
+            propagation = propagation.with_updated_node(Arc::new(Self {
+                join_filters,
+                ..self.copy()
+            }) as Arc<dyn ExecutionPlan>);
+        }
+        Ok(propagation)
     }
 
     fn properties(&self) -> &Arc<PlanProperties> {
@@ -192,6 +419,9 @@ impl ExecutionPlan for SieveScanExec {
     }
 
     fn partition_statistics(&self, partition: Option<usize>) -> Result<Arc<Statistics>> {
+        if self.aggregate.is_some() {
+            return Ok(Arc::new(Statistics::new_unknown(&self.schema())));
+        }
         let mut statistics = self.table.statistics.clone();
         if partition.is_some() || self.predicate.is_some() {
             statistics = statistics.to_inexact();
@@ -228,6 +458,7 @@ impl ExecutionPlan for SieveScanExec {
         let rows_scanned = builder().counter("storage_rows_scanned", partition);
         let storage_cpu = builder().subset_time("storage_cpu_time", partition);
 
+        let rows_aggregated = builder().counter("storage_rows_aggregated", partition);
         let slices: Vec<_> = self
             .table
             .slices
@@ -238,27 +469,64 @@ impl ExecutionPlan for SieveScanExec {
             .collect();
         let catalog = Arc::clone(&self.catalog);
         let traffic = Arc::clone(&self.traffic);
-        let body = Arc::clone(&self.body);
         let table_name = self.table.name.clone();
         let schema = self.schema();
-        let output_no_columns = self.output_no_columns;
-        let requests = stream::iter(slices).map(move |slice| {
-            let catalog = Arc::clone(&catalog);
-            let traffic = Arc::clone(&traffic);
-            let envelope = FragmentEnvelope::new(
-                table_name.clone(),
-                slice.summary.slice,
-                body.as_ref().clone(),
-            );
-            async move {
-                let client = &catalog.clients[slice.node];
-                let encoded = prost::Message::encode_to_vec(&envelope);
-                client.fetch_slice(encoded, &traffic).await
+        let output_no_columns = self.output_no_columns && self.aggregate.is_none();
+        let rewrap = self.aggregate.is_some();
+        let slices_in_flight = self.slices_in_flight;
+
+        // The fragment body: the planned one, plus whatever the join filters
+        // resolve to once their build sides are complete.
+        let base_body = Arc::clone(&self.body);
+        let join_filters = self.join_filters.clone();
+        let join_settings = self.join_settings.clone();
+        let resolved_out = Arc::clone(&self.join_filters_resolved);
+        let table = Arc::clone(&self.table);
+        let shipped = self.shipped.clone();
+        let predicate = self.predicate.clone();
+        let aggregate = self.aggregate.as_ref().map(|pushed| Arc::clone(&pushed.plan));
+        let body = async move {
+            if join_filters.iter().all(|slot| slot.source.is_none()) {
+                return Ok(base_body);
             }
-        });
+            let (conjuncts, descriptions) =
+                resolve(&join_filters, &join_settings, &shipped, &table.schema).await?;
+            *resolved_out.lock().expect("never poisoned") = descriptions;
+            if conjuncts.is_empty() {
+                return Ok(base_body);
+            }
+            let predicate = physical_conjunction(predicate.into_iter().chain(conjuncts));
+            let fragment = sieve_fragment::Fragment {
+                projection: shipped,
+                predicate: Some(predicate),
+                aggregate,
+            };
+            Ok::<_, DataFusionError>(Arc::new(fragment.encode_body(&table.schema)?))
+        };
+
         let schema_for_batches = Arc::clone(&schema);
-        let batches = requests
-            .buffer_unordered(self.slices_in_flight)
+        let batches = stream::once(body)
+            .map_ok(move |body| {
+                let catalog = Arc::clone(&catalog);
+                let traffic = Arc::clone(&traffic);
+                let table_name = table_name.clone();
+                stream::iter(slices.clone()).map(move |slice| {
+                    let catalog = Arc::clone(&catalog);
+                    let traffic = Arc::clone(&traffic);
+                    let envelope = FragmentEnvelope::new(
+                        table_name.clone(),
+                        slice.summary.slice,
+                        body.as_ref().clone(),
+                    );
+                    async move {
+                        let client = &catalog.clients[slice.node];
+                        let encoded = prost::Message::encode_to_vec(&envelope);
+                        client.fetch_slice(encoded, &traffic).await
+                    }
+                })
+                .buffer_unordered(slices_in_flight)
+            })
+            .try_flatten()
             .map_ok(move |result| {
                 let metrics = &result.metrics;
                 bytes_shipped.add(result.bytes_shipped as usize);
@@ -270,6 +538,7 @@ impl ExecutionPlan for SieveScanExec {
                 pages_skipped_page_index.add(metrics.pages_skipped_page_index as usize);
                 pages_read.add(metrics.pages_read() as usize);
                 rows_scanned.add(metrics.rows_scanned as usize);
+                rows_aggregated.add(metrics.rows_aggregated as usize);
                 storage_cpu.add_duration(Duration::from_nanos(metrics.cpu_nanos));
                 let schema = Arc::clone(&schema_for_batches);
                 let output_rows = output_rows.clone();
@@ -282,6 +551,12 @@ impl ExecutionPlan for SieveScanExec {
                             Arc::clone(&schema),
                             vec![],
                             &options,
+                        )?)
+                    } else if rewrap {
+                        // Partial states: same types, names as planned here.
+                        Ok(RecordBatch::try_new(
+                            Arc::clone(&schema),
+                            batch.columns().to_vec(),
                         )?)
                     } else {
                         Ok(batch)

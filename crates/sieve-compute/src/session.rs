@@ -4,10 +4,13 @@ use std::sync::Arc;
 
 use datafusion::common::{DataFusionError, Result};
 use datafusion::execution::object_store::ObjectStoreUrl;
+use datafusion::execution::SessionStateBuilder;
 use datafusion::prelude::{SessionConfig, SessionContext};
 
 use crate::range_store::{ClusterRangeStore, CLUSTER_RANGE_URL};
-use crate::{ClusterCatalog, SieveConfig, SieveTable, Traffic};
+use crate::{
+    ClusterCatalog, PushAggregateToStorage, SieveConfig, SieveTable, Traffic, WaitForJoinFilters,
+};
 
 /// A DataFusion session whose tables are the cluster's.
 #[derive(Clone)]
@@ -53,10 +56,26 @@ pub async fn connect_session_with_config(
 ) -> Result<SieveSession> {
     let catalog = Arc::new(ClusterCatalog::discover(urls).await?);
     let traffic = Arc::new(Traffic::default());
-    let config = config
-        .with_option_extension(SieveConfig::default())
+    let sieve = SieveConfig::default();
+    let mut config = config
+        .with_option_extension(sieve.clone())
         .with_information_schema(true);
-    let context = SessionContext::new_with_config(config);
+    // Let hash joins hand their build-side keys over as a list up to the size
+    // Sieve ships as a Bloom filter (DataFusion's default is 150 keys).
+    let optimizer = &mut config.options_mut().optimizer;
+    optimizer.hash_join_inlist_pushdown_max_distinct_values = optimizer
+        .hash_join_inlist_pushdown_max_distinct_values
+        .max(sieve.join_filter_keys_max);
+    optimizer.hash_join_inlist_pushdown_max_size = optimizer
+        .hash_join_inlist_pushdown_max_size
+        .max(sieve.join_filter_keys_max * 64);
+    let state = SessionStateBuilder::new()
+        .with_config(config)
+        .with_default_features()
+        .with_physical_optimizer_rule(Arc::new(PushAggregateToStorage))
+        .with_physical_optimizer_rule(Arc::new(WaitForJoinFilters))
+        .build();
+    let context = SessionContext::new_with_state(state);
     let mut range_urls: Vec<String> = vec![String::new(); catalog.clients.len()];
     for table in catalog.tables.values() {
         for slice in &table.slices {

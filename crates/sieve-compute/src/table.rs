@@ -210,6 +210,7 @@ impl TableProvider for SieveTable {
             pushed,
             state.config().target_partitions(),
             settings.slices_in_flight,
+            settings.join_filter_settings(),
         )?);
         match residual {
             None => Ok(scan),

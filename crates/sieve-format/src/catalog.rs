@@ -19,6 +19,9 @@ pub struct ColumnSummary {
     pub max: Option<String>,
     /// Number of NULLs, if known.
     pub null_count: Option<u64>,
+    /// Number of distinct values (NULL counts as one), if known.
+    #[serde(default)]
+    pub distinct_count: Option<u64>,
 }
 
 /// One slice of a table as a storage node describes it.

@@ -25,8 +25,13 @@ mod layout;
 mod tpch;
 
 pub use catalog::{ColumnSummary, SliceSummary, TableSummary};
-pub use layout::{write_slice, SliceLayout};
+pub use layout::{write_slice, SliceLayout, DISTINCT_COUNTS_KEY};
 pub use tpch::{generate_tpch, is_generated, slice_path, TpchTable, TPCH_TABLES};
+
+/// Version of the on-disk layout. A load written by another version is not
+/// considered complete and is generated again (version 2 added the per-column
+/// distinct counts).
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Name of the marker file written after every slice of a load is in place.
 pub const LOAD_COMPLETE_MARKER: &str = "_SUCCESS";

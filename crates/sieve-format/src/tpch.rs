@@ -16,7 +16,7 @@ use tpchgen_arrow::{
     SupplierArrow,
 };
 
-use crate::{node_directory, write_slice, SliceLayout, LOAD_COMPLETE_MARKER};
+use crate::{node_directory, write_slice, SliceLayout, FORMAT_VERSION, LOAD_COMPLETE_MARKER};
 
 /// Rows per generated Arrow batch.
 const GENERATE_BATCH_ROWS: usize = 8192;
@@ -118,9 +118,16 @@ pub fn slice_path(node_dir: &Path, table: &str, part: usize) -> PathBuf {
         .join(format!("{table}-{part:05}.parquet"))
 }
 
-/// Whether `root` holds a complete load (the marker is written last).
+/// Whether `root` holds a complete load of this [`FORMAT_VERSION`] (the
+/// marker is written last and names the version).
 pub fn is_generated(root: &Path) -> bool {
-    root.join(LOAD_COMPLETE_MARKER).is_file()
+    let Ok(marker) = std::fs::read(root.join(LOAD_COMPLETE_MARKER)) else {
+        return false;
+    };
+    serde_json::from_slice::<serde_json::Value>(&marker)
+        .ok()
+        .and_then(|marker| marker.get("format_version")?.as_u64())
+        == Some(u64::from(FORMAT_VERSION))
 }
 
 /// Generate TPC-H at `scale_factor` into `root`, spreading slices round-robin
@@ -186,6 +193,7 @@ pub fn generate_tpch(
     }
     let meta = serde_json::json!({
         "benchmark": "tpch",
+        "format_version": FORMAT_VERSION,
         "scale_factor": scale_factor,
         "nodes": nodes,
         "slice_rows_max": layout.slice_rows_max,

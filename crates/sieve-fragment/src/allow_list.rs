@@ -14,6 +14,34 @@ use datafusion::physical_expr::expressions::{
     Literal, NegativeExpr, NotExpr, TryCastExpr,
 };
 use datafusion::physical_expr::{PhysicalExpr, ScalarFunctionExpr};
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use datafusion::physical_plan::filter::FilterExec;
+use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::ExecutionPlan;
+
+use crate::{BloomFilterExpr, SliceInputExec};
+
+/// Aggregate functions a storage node runs as a partial aggregation. Each is
+/// deterministic, and its partial state merges exactly on the compute node,
+/// whichever slices and in whichever order the states come from.
+pub const ALLOWED_AGGREGATES: &[&str] = &[
+    "avg",
+    "bit_and",
+    "bit_or",
+    "bit_xor",
+    "bool_and",
+    "bool_or",
+    "count",
+    "max",
+    "mean",
+    "min",
+    "stddev",
+    "stddev_pop",
+    "sum",
+    "var",
+    "var_pop",
+    "var_samp",
+];
 
 /// Built-in scalar functions a storage node evaluates. All are deterministic
 /// and pure; `random()`, `now()` and user-defined functions are not here.
@@ -133,6 +161,7 @@ pub fn check_allowed(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Result<()
         || expr.downcast_ref::<InListExpr>().is_some()
         || expr.downcast_ref::<LikeExpr>().is_some()
         || expr.downcast_ref::<CaseExpr>().is_some()
+        || expr.downcast_ref::<BloomFilterExpr>().is_some()
     {
         // Structural expressions: their children and output type are checked.
     } else {
@@ -140,6 +169,63 @@ pub fn check_allowed(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Result<()
     }
     for child in expr.children() {
         check_allowed(child, schema)?;
+    }
+    Ok(())
+}
+
+/// Check the operators of a fragment: a partial aggregation over projections
+/// and filters over the slice input, every expression allow-listed against
+/// its operator's input schema. The error names the first thing refused.
+pub fn check_plan_allowed(plan: &Arc<dyn ExecutionPlan>) -> Result<()> {
+    let input_schema = plan
+        .children()
+        .first()
+        .map(|child| child.schema())
+        .unwrap_or_else(|| plan.schema());
+    if plan.downcast_ref::<SliceInputExec>().is_some() {
+        return Ok(());
+    } else if let Some(aggregate) = plan.downcast_ref::<AggregateExec>() {
+        if *aggregate.mode() != AggregateMode::Partial {
+            return plan_err!(
+                "only a partial aggregation can run in an NDP fragment, not {:?}",
+                aggregate.mode()
+            );
+        }
+        if !aggregate.group_expr().is_single() {
+            return plan_err!("grouping sets are not allowed in an NDP fragment");
+        }
+        for (expr, _) in aggregate.group_expr().expr() {
+            check_allowed(expr, &input_schema)?;
+        }
+        for function in aggregate.aggr_expr() {
+            let name = function.fun().name();
+            if !ALLOWED_AGGREGATES.contains(&name) {
+                return plan_err!("aggregate function {name}() is not allowed in an NDP fragment");
+            }
+            if !function.order_bys().is_empty() {
+                return plan_err!("ordered aggregate {name}() is not allowed in an NDP fragment");
+            }
+            for argument in function.expressions() {
+                check_allowed(&argument, &input_schema)?;
+            }
+        }
+        for filter in aggregate.filter_expr().iter().flatten() {
+            check_allowed(filter, &input_schema)?;
+        }
+    } else if let Some(filter) = plan.downcast_ref::<FilterExec>() {
+        check_allowed(filter.predicate(), &input_schema)?;
+    } else if let Some(projection) = plan.downcast_ref::<ProjectionExec>() {
+        for expr in projection.expr() {
+            check_allowed(&expr.expr, &input_schema)?;
+        }
+    } else {
+        return plan_err!("operator {} is not allowed in an NDP fragment", plan.name());
+    }
+    for child in plan.children() {
+        check_plan_allowed(child)?;
+    }
+    if plan.children().len() != 1 {
+        return plan_err!("operator {} in an NDP fragment must have one input", plan.name());
     }
     Ok(())
 }

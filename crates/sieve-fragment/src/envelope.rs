@@ -7,13 +7,14 @@ use arrow::datatypes::Schema;
 use datafusion::common::{plan_datafusion_err, plan_err, Result};
 use datafusion::execution::TaskContext;
 use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_plan::ExecutionPlan;
 use datafusion_proto::physical_plan::from_proto::parse_physical_expr;
 use datafusion_proto::physical_plan::to_proto::serialize_physical_expr;
-use datafusion_proto::physical_plan::DefaultPhysicalExtensionCodec;
-use datafusion_proto::protobuf::PhysicalExprNode;
+use datafusion_proto::physical_plan::AsExecutionPlan;
+use datafusion_proto::protobuf::{PhysicalExprNode, PhysicalPlanNode};
 use prost::Message;
 
-use crate::check_allowed;
+use crate::{check_allowed, check_plan_allowed, SieveCodec};
 
 /// The only fragment version this build speaks. A storage node refuses any
 /// other, so a compute node and a storage node of different versions fail
@@ -42,8 +43,9 @@ pub struct FragmentEnvelope {
     pub body: Vec<u8>,
 }
 
-/// What to do with the slice. Tags 4 and up are reserved for partial
-/// aggregation, join filters and a snapshot version.
+/// What to do with the slice. Join filters travel inside `predicate` (as
+/// ranges, IN lists and Bloom filters); tags 5 and up are reserved for a
+/// snapshot version.
 #[derive(Clone, PartialEq, Message)]
 pub struct FragmentBody {
     /// [`schema_fingerprint`] of the table schema the fragment was planned on.
@@ -55,6 +57,11 @@ pub struct FragmentBody {
     /// Exact filter over the table schema; absent means keep every row.
     #[prost(message, optional, tag = "3")]
     pub predicate: Option<PhysicalExprNode>,
+    /// Operators to run over the filtered, projected slice (a partial
+    /// aggregation, possibly over projections and filters), as a
+    /// datafusion-proto plan whose leaf is a `SliceInputExec`.
+    #[prost(message, optional, tag = "4")]
+    pub aggregate: Option<PhysicalPlanNode>,
 }
 
 /// What a storage node did for one slice; sent as the `app_metadata` of a
@@ -88,6 +95,9 @@ pub struct SliceMetrics {
     /// Whether the fragment's work was done (false: raw pages, reserved for best effort).
     #[prost(bool, tag = "9")]
     pub processed: bool,
+    /// Rows that entered the pushed aggregation (after the exact filter).
+    #[prost(uint64, tag = "10")]
+    pub rows_aggregated: u64,
 }
 
 impl SliceMetrics {
@@ -128,6 +138,9 @@ pub struct Fragment {
     pub projection: Vec<usize>,
     /// Exact filter over the table schema.
     pub predicate: Option<Arc<dyn PhysicalExpr>>,
+    /// Partial aggregation over the projected rows: a plan whose leaf is a
+    /// [`crate::SliceInputExec`] with the projection's schema.
+    pub aggregate: Option<Arc<dyn ExecutionPlan>>,
 }
 
 impl Fragment {
@@ -138,9 +151,16 @@ impl Fragment {
         let predicate = match &self.predicate {
             Some(predicate) => {
                 check_allowed(predicate, schema)?;
-                Some(serialize_physical_expr(
-                    predicate,
-                    &DefaultPhysicalExtensionCodec {},
+                Some(serialize_physical_expr(predicate, &SieveCodec::new())?)
+            }
+            None => None,
+        };
+        let aggregate = match &self.aggregate {
+            Some(plan) => {
+                check_plan_allowed(plan)?;
+                Some(PhysicalPlanNode::try_from_physical_plan(
+                    Arc::clone(plan),
+                    &SieveCodec::new(),
                 )?)
             }
             None => None,
@@ -149,6 +169,7 @@ impl Fragment {
             schema_fingerprint: schema_fingerprint(schema),
             projection: self.projection.iter().map(|&index| index as u32).collect(),
             predicate,
+            aggregate,
         };
         let bytes = body.encode_to_vec();
         if bytes.len() > FRAGMENT_BYTES_MAX {
@@ -200,6 +221,8 @@ pub struct DecodedBody {
     pub projection: Vec<usize>,
     /// Exact filter over the table schema.
     pub predicate: Option<Arc<dyn PhysicalExpr>>,
+    /// Operators over the projected rows, leaf a [`crate::SliceInputExec`].
+    pub aggregate: Option<Arc<dyn ExecutionPlan>>,
 }
 
 impl DecodedBody {
@@ -219,12 +242,7 @@ impl DecodedBody {
         check_projection(&projection, schema)?;
         let predicate = match &body.predicate {
             Some(node) => {
-                let predicate = parse_physical_expr(
-                    node,
-                    task_context,
-                    schema,
-                    &DefaultPhysicalExtensionCodec {},
-                )
+                let predicate = parse_physical_expr(node, task_context, schema, &SieveCodec::new())
                 .map_err(|error| {
                     plan_datafusion_err!("NDP fragment predicate cannot be decoded: {error}")
                 })?;
@@ -233,9 +251,26 @@ impl DecodedBody {
             }
             None => None,
         };
+        let aggregate = match &body.aggregate {
+            Some(node) => {
+                let slice_schema = Arc::new(schema.project(&projection)?);
+                let plan = node
+                    .try_into_physical_plan(
+                        task_context,
+                        &SieveCodec::with_slice_schema(slice_schema),
+                    )
+                    .map_err(|error| {
+                        plan_datafusion_err!("NDP fragment operators cannot be decoded: {error}")
+                    })?;
+                check_plan_allowed(&plan)?;
+                Some(plan)
+            }
+            None => None,
+        };
         Ok(Self {
             projection,
             predicate,
+            aggregate,
         })
     }
 }

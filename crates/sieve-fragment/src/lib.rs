@@ -8,7 +8,10 @@
 //!  └── body (bytes)         FragmentBody, identical for every slice of one scan
 //!      ├── schema_fingerprint   the table schema both sides planned against
 //!      ├── projection           columns to ship, as indices into the table schema
-//!      └── predicate            datafusion-proto PhysicalExprNode (optional)
+//!      ├── predicate            datafusion-proto PhysicalExprNode (optional); join
+//!      │                        filters arrive here as ranges, IN lists, Bloom filters
+//!      └── aggregate            datafusion-proto PhysicalPlanNode (optional): a partial
+//!                               aggregation over the projected rows, leaf SliceInputExec
 //! ```
 //!
 //! The body is kept as opaque bytes inside the envelope so a storage node can
@@ -26,9 +29,15 @@
 #![deny(missing_docs)]
 
 mod allow_list;
+mod bloom;
+mod codec;
 mod envelope;
 
-pub use allow_list::{check_allowed, is_allowed_type, ALLOWED_FUNCTIONS};
+pub use allow_list::{
+    check_allowed, check_plan_allowed, is_allowed_type, ALLOWED_AGGREGATES, ALLOWED_FUNCTIONS,
+};
+pub use bloom::{BloomFilterExpr, BLOOM_FILTER_BYTES_MAX};
+pub use codec::{SieveCodec, SliceInputExec};
 pub use envelope::{
     schema_fingerprint, DecodedBody, Fragment, FragmentBody, FragmentEnvelope, SliceMetrics,
     FRAGMENT_BYTES_MAX, FRAGMENT_VERSION,

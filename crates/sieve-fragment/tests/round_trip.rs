@@ -7,7 +7,9 @@ use datafusion::common::DFSchema;
 use datafusion::logical_expr::{col, lit};
 use datafusion::prelude::SessionContext;
 use prost::Message;
-use sieve_fragment::{DecodedBody, Fragment, FragmentEnvelope, FRAGMENT_VERSION};
+use sieve_fragment::{
+    BloomFilterExpr, DecodedBody, Fragment, FragmentEnvelope, SliceInputExec, FRAGMENT_VERSION,
+};
 
 fn schema() -> Arc<Schema> {
     Arc::new(Schema::new(vec![
@@ -32,6 +34,7 @@ fn fragment_round_trips_and_keeps_its_meaning() {
     let fragment = Fragment {
         projection: vec![2, 0],
         predicate: Some(Arc::clone(&predicate)),
+        aggregate: None,
     };
     let body = fragment.encode_body(&schema).unwrap();
     let envelope = FragmentEnvelope::new("t", 7, body);
@@ -56,6 +59,7 @@ fn out_of_range_projection_is_refused_on_both_sides() {
     let error = Fragment {
         projection: vec![3],
         predicate: None,
+        aggregate: None,
     }
     .encode_body(&schema)
     .unwrap_err();
@@ -72,4 +76,103 @@ fn oversized_envelope_is_refused_before_decoding() {
     let bytes = vec![0u8; sieve_fragment::FRAGMENT_BYTES_MAX + 1];
     let error = FragmentEnvelope::decode_checked(&bytes).unwrap_err();
     assert!(error.to_string().contains("above the limit"), "{error}");
+}
+
+#[test]
+fn bloom_filter_survives_the_wire_and_keeps_its_answers() {
+    let schema = schema();
+    let keys: arrow::array::ArrayRef =
+        Arc::new(arrow::array::Int64Array::from((0..5000).map(|k| k * 3).collect::<Vec<_>>()));
+    let column: Arc<dyn datafusion::physical_expr::PhysicalExpr> =
+        Arc::new(datafusion::physical_expr::expressions::Column::new("k", 0));
+    let bloom = BloomFilterExpr::try_new(column, DataType::Int64, &keys, 0.01).unwrap();
+    let fragment = Fragment {
+        projection: vec![0],
+        predicate: Some(Arc::new(bloom)),
+        aggregate: None,
+    };
+    let body = fragment.encode_body(&schema).unwrap();
+    let context = SessionContext::new();
+    let decoded = DecodedBody::decode(&body, &schema, &context.task_ctx()).unwrap();
+    let predicate = decoded.predicate.unwrap();
+    let probe: Vec<i64> = (0..15_000).collect();
+    let batch = arrow::record_batch::RecordBatch::try_new(
+        Arc::clone(&schema),
+        vec![
+            Arc::new(arrow::array::Int64Array::from(probe.clone())),
+            Arc::new(
+                arrow::array::Decimal128Array::from(vec![0i128; probe.len()])
+                    .with_precision_and_scale(15, 2)
+                    .unwrap(),
+            ),
+            Arc::new(arrow::array::StringViewArray::from(vec!["x"; probe.len()])),
+        ],
+    )
+    .unwrap();
+    let matched = predicate.evaluate(&batch).unwrap().into_array(probe.len()).unwrap();
+    let matched = matched
+        .as_any()
+        .downcast_ref::<arrow::array::BooleanArray>()
+        .unwrap();
+    // Every key matches; other values mostly do not.
+    let false_positives = probe
+        .iter()
+        .filter(|&&value| value % 3 != 0 && matched.value(value as usize))
+        .count();
+    assert!(probe.iter().all(|&v| v % 3 != 0 || matched.value(v as usize)));
+    assert!(false_positives < 300, "{false_positives} false positives of 10000");
+}
+
+#[test]
+fn partial_aggregate_round_trips_and_a_final_one_is_refused() {
+    use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode, PhysicalGroupBy};
+    use datafusion::physical_plan::ExecutionPlan;
+    use datafusion::physical_expr::aggregate::AggregateExprBuilder;
+    let schema = schema();
+    let input: Arc<dyn ExecutionPlan> = Arc::new(SliceInputExec::new(Arc::clone(&schema)));
+    let group = PhysicalGroupBy::new_single(vec![(
+        Arc::new(datafusion::physical_expr::expressions::Column::new("name", 2)) as _,
+        "name".to_string(),
+    )]);
+    let sum = AggregateExprBuilder::new(
+        datafusion::functions_aggregate::sum::sum_udaf(),
+        vec![Arc::new(datafusion::physical_expr::expressions::Column::new("price", 1)) as _],
+    )
+    .schema(Arc::clone(&schema))
+    .alias("sum(price)")
+    .build()
+    .unwrap();
+    let build = |mode| -> Arc<dyn ExecutionPlan> {
+        Arc::new(
+            AggregateExec::try_new(
+                mode,
+                group.clone(),
+                vec![Arc::new(sum.clone())],
+                vec![None],
+                Arc::clone(&input),
+                Arc::clone(&schema),
+            )
+            .unwrap(),
+        )
+    };
+    let partial = build(AggregateMode::Partial);
+    let body = Fragment {
+        projection: vec![0, 1, 2],
+        predicate: None,
+        aggregate: Some(Arc::clone(&partial)),
+    }
+    .encode_body(&schema)
+    .unwrap();
+    let context = SessionContext::new();
+    let decoded = DecodedBody::decode(&body, &schema, &context.task_ctx()).unwrap();
+    assert_eq!(decoded.aggregate.unwrap().schema(), partial.schema());
+
+    let error = Fragment {
+        projection: vec![0, 1, 2],
+        predicate: None,
+        aggregate: Some(build(AggregateMode::Final)),
+    }
+    .encode_body(&schema)
+    .unwrap_err();
+    assert!(error.to_string().contains("only a partial aggregation"), "{error}");
 }

@@ -186,10 +186,15 @@ fn open_slice(
                 .sum()
         })
         .unwrap_or(0);
+    let distinct_counts = distinct_counts(&metadata, schema.fields().len());
     let columns = schema
         .fields()
         .iter()
-        .map(|field| column_summary(field.name(), &schema, &metadata))
+        .zip(distinct_counts)
+        .map(|(field, distinct_count)| ColumnSummary {
+            distinct_count,
+            ..column_summary(field.name(), &schema, &metadata)
+        })
         .collect();
     let relative = path
         .strip_prefix(root)
@@ -220,6 +225,25 @@ fn open_slice(
     ))
 }
 
+/// The per-column distinct counts the loader recorded, if it did.
+fn distinct_counts(metadata: &ParquetMetaData, columns: usize) -> Vec<Option<u64>> {
+    let recorded: Option<Vec<u64>> = metadata
+        .file_metadata()
+        .key_value_metadata()
+        .and_then(|entries| {
+            entries
+                .iter()
+                .find(|entry| entry.key == sieve_format::DISTINCT_COUNTS_KEY)
+        })
+        .and_then(|entry| entry.value.as_deref())
+        .and_then(|value| serde_json::from_str(value).ok())
+        .filter(|counts: &Vec<u64>| counts.len() == columns);
+    match recorded {
+        Some(counts) => counts.into_iter().map(Some).collect(),
+        None => vec![None; columns],
+    }
+}
+
 /// Min, max and NULL count of one column over all row groups of a slice.
 fn column_summary(name: &str, schema: &SchemaRef, metadata: &ParquetMetaData) -> ColumnSummary {
     let mut summary = ColumnSummary {
@@ -227,6 +251,7 @@ fn column_summary(name: &str, schema: &SchemaRef, metadata: &ParquetMetaData) ->
         min: None,
         max: None,
         null_count: None,
+        distinct_count: None,
     };
     let Ok(converter) =
         StatisticsConverter::try_new(name, schema, metadata.file_metadata().schema_descr())

@@ -36,7 +36,8 @@ use datafusion_datasource_parquet::source::ParquetSource;
 use futures::Stream;
 use object_store::local::LocalFileSystem;
 use object_store::ObjectStore;
-use sieve_fragment::{DecodedBody, FragmentEnvelope, SliceMetrics};
+use datafusion::common::tree_node::{Transformed, TreeNode};
+use sieve_fragment::{DecodedBody, FragmentEnvelope, SliceInputExec, SliceMetrics};
 
 use crate::cpu::thread_cpu_nanos;
 use crate::reader::SliceReaderFactory;
@@ -188,11 +189,30 @@ impl SliceExecutor {
                 Arc::new(ProjectionExec::try_new(expressions, scan)?)
             }
         };
+        // A pushed aggregation runs over the filtered, projected slice: the
+        // decoded operators get this slice's plan in place of their leaf.
+        let (plan, aggregated_input) = match &body.aggregate {
+            Some(operators) => {
+                let input = Arc::clone(&plan);
+                let replaced = Arc::clone(operators)
+                    .transform_up(|node| {
+                        Ok(if node.downcast_ref::<SliceInputExec>().is_some() {
+                            Transformed::yes(Arc::clone(&input))
+                        } else {
+                            Transformed::no(node)
+                        })
+                    })?
+                    .data;
+                (replaced, Some(input))
+            }
+            None => (plan, None),
+        };
         let inner = plan.execute(0, Arc::clone(&self.task_context))?;
         Ok(SliceStream {
             schema: plan.schema(),
             inner,
             plan,
+            aggregated_input,
             hints,
             cpu_nanos: 0,
             rows_returned: 0,
@@ -235,6 +255,8 @@ pub struct SliceStream {
     schema: SchemaRef,
     inner: SendableRecordBatchStream,
     plan: Arc<dyn ExecutionPlan>,
+    /// The slice plan under a pushed aggregation, for its output row count.
+    aggregated_input: Option<Arc<dyn ExecutionPlan>>,
     hints: MatchHints,
     cpu_nanos: u64,
     rows_returned: u64,
@@ -268,6 +290,12 @@ impl SliceStream {
             rows_returned: self.rows_returned,
             cpu_nanos: self.cpu_nanos,
             processed: true,
+            rows_aggregated: self
+                .aggregated_input
+                .as_ref()
+                .and_then(|input| input.metrics())
+                .and_then(|metrics| metrics.output_rows())
+                .unwrap_or(0) as u64,
         }
     }
 }

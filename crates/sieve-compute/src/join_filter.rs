@@ -1,0 +1,423 @@
+//! Join filters for remote scans: a hash join's build-side keys, turned into
+//! something a storage node can evaluate.
+//!
+//! DataFusion's `HashJoinExec` publishes a dynamic filter once its build side
+//! is complete: `key >= min AND key <= max AND key IN (...)` (or a lookup into
+//! its hash table, which cannot leave the process), wrapped in a `CASE` over
+//! hash partitions when the join is partitioned. The probe side's
+//! [`crate::SieveScanExec`] waits for that filter, then summarises it here into
+//! what travels in the fragment:
+//!
+//! - **range**: `key >= min AND key <= max` per key column; the storage
+//!   node's page index prunes pages with it;
+//! - **list**: `key IN (...)` when there are at most
+//!   `sieve.join_filter_list_max` distinct keys; Bloom filters on the slice's
+//!   key columns prune row groups with it;
+//! - **bloom**: a [`BloomFilterExpr`] when there are more (up to
+//!   `sieve.join_filter_keys_max`), sized for `sieve.join_filter_bloom_fpp`.
+//!
+//! Every part is implied by the join's own filter, so applying it before the
+//! join removes only rows the join would drop: the join still does the exact
+//! matching.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow::array::{Array, ArrayRef};
+use arrow::compute::{concat, take};
+use arrow::datatypes::Schema;
+use arrow::row::{RowConverter, SortField};
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+use datafusion::common::{Result, ScalarValue};
+use datafusion::logical_expr::Operator;
+use datafusion::physical_expr::expressions::{
+    lit, BinaryExpr, CaseExpr, Column, DynamicFilterPhysicalExpr, InListExpr, Literal,
+};
+use datafusion::physical_expr::{split_conjunction, PhysicalExpr};
+use datafusion::physical_expr_common::physical_expr::snapshot_physical_expr;
+use sieve_fragment::BloomFilterExpr;
+
+/// A dynamic filter a scan received from above.
+#[derive(Debug, Clone)]
+pub struct JoinFilterSlot {
+    /// The filter, over the scan's output schema.
+    pub filter: Arc<dyn PhysicalExpr>,
+    /// The join that produces it ("orders", say); `Some` means the scan waits
+    /// for the filter to be complete before it sends any request.
+    pub source: Option<String>,
+}
+
+/// How build-side keys are shipped (the `sieve.join_filter_*` settings).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JoinFilterSettings {
+    /// Whether scans accept join filters at all (`sieve.join_filters`).
+    pub enabled: bool,
+    /// At most this many distinct keys go as an exact IN list.
+    pub list_max: usize,
+    /// At most this many distinct keys go as a Bloom filter; more, range only.
+    pub keys_max: usize,
+    /// False-positive rate the Bloom filter is sized for.
+    pub bloom_fpp: f64,
+    /// Upper bound on waiting for a join's build side, after which the scan
+    /// goes ahead with whatever the filter holds then.
+    pub wait: Duration,
+}
+
+/// What a filter says about the probe keys, by scan output column.
+#[derive(Debug, Clone, Default)]
+struct KeySummary {
+    /// Nothing can match (the build side is empty).
+    nothing: bool,
+    /// Inclusive bounds per column.
+    bounds: Vec<(usize, ScalarValue, ScalarValue)>,
+    /// The possible values of one column (with duplicates).
+    members: Option<(usize, ArrayRef)>,
+}
+
+/// Wait for every join filter with a known source, then turn all of them into
+/// conjuncts over the table schema. `shipped[i]` is the table column of scan
+/// output column `i`. Returns the conjuncts and a description per filter.
+pub(crate) async fn resolve(
+    slots: &[JoinFilterSlot],
+    settings: &JoinFilterSettings,
+    shipped: &[usize],
+    table_schema: &Schema,
+) -> Result<(Vec<Arc<dyn PhysicalExpr>>, Vec<String>)> {
+    let mut conjuncts = Vec::new();
+    let mut descriptions = Vec::new();
+    for slot in slots {
+        let Some(source) = &slot.source else {
+            continue;
+        };
+        let mut dynamic = Vec::new();
+        slot.filter.apply(|expr| {
+            if expr.downcast_ref::<DynamicFilterPhysicalExpr>().is_some() {
+                dynamic.push(Arc::clone(expr));
+            }
+            Ok(TreeNodeRecursion::Continue)
+        })?;
+        let mut complete = true;
+        for expr in &dynamic {
+            let filter = expr
+                .downcast_ref::<DynamicFilterPhysicalExpr>()
+                .expect("collected as a dynamic filter");
+            complete &= tokio::time::timeout(settings.wait, filter.wait_complete())
+                .await
+                .is_ok();
+        }
+        let snapshot = snapshot_physical_expr(Arc::clone(&slot.filter))?;
+        let summary = summarize(&snapshot);
+        let (parts, description) = match summary {
+            Some(summary) => build(&summary, settings, shipped, table_schema)?,
+            None => (vec![], "not expressible".to_string()),
+        };
+        let description = if complete {
+            description
+        } else {
+            format!("{description} (build side not complete after {:?})", settings.wait)
+        };
+        descriptions.push(format!("join filter from {source}: {description}"));
+        conjuncts.extend(parts);
+    }
+    Ok((conjuncts, descriptions))
+}
+
+fn literal(expr: &Arc<dyn PhysicalExpr>) -> Option<&ScalarValue> {
+    expr.downcast_ref::<Literal>().map(Literal::value)
+}
+
+fn column(expr: &Arc<dyn PhysicalExpr>) -> Option<usize> {
+    expr.downcast_ref::<Column>().map(Column::index)
+}
+
+/// What `expr` (a snapshot of a join's dynamic filter) implies about single
+/// columns, or `None` if nothing usable.
+fn summarize(expr: &Arc<dyn PhysicalExpr>) -> Option<KeySummary> {
+    if let Some(case) = expr.downcast_ref::<CaseExpr>() {
+        return summarize_case(case);
+    }
+    let mut summary = KeySummary::default();
+    let mut lower: Vec<(usize, ScalarValue)> = Vec::new();
+    let mut upper: Vec<(usize, ScalarValue)> = Vec::new();
+    for conjunct in split_conjunction(expr) {
+        if let Some(value) = literal(conjunct) {
+            if value == &ScalarValue::Boolean(Some(false)) {
+                summary.nothing = true;
+            }
+        } else if let Some(binary) = conjunct.downcast_ref::<BinaryExpr>() {
+            if let (Some(index), Some(value)) = (column(binary.left()), literal(binary.right())) {
+                match binary.op() {
+                    Operator::GtEq => lower.push((index, value.clone())),
+                    Operator::LtEq => upper.push((index, value.clone())),
+                    _ => {}
+                }
+            }
+        } else if let Some(in_list) = conjunct.downcast_ref::<InListExpr>() {
+            if let Some(index) = column(in_list.expr()).filter(|_| !in_list.negated()) {
+                let values: Option<Vec<ScalarValue>> =
+                    in_list.list().iter().map(|item| literal(item).cloned()).collect();
+                if let Some(array) = values.and_then(|values| ScalarValue::iter_to_array(values).ok())
+                {
+                    summary.members = Some((index, array));
+                }
+            }
+        } else if let Some(case) = conjunct.downcast_ref::<CaseExpr>() {
+            if let Some(inner) = summarize_case(case) {
+                summary.nothing |= inner.nothing;
+                summary.bounds.extend(inner.bounds);
+                summary.members = summary.members.or(inner.members);
+            }
+        }
+    }
+    for (index, low) in lower {
+        if let Some((_, high)) = upper.iter().find(|(other, _)| *other == index) {
+            summary.bounds.push((index, low, high.clone()));
+        }
+    }
+    Some(summary)
+}
+
+/// A partitioned join's filter: `CASE hash(key) % n WHEN i THEN filter_i ...
+/// ELSE false END`. Each row passes at most its own partition's filter, so
+/// the union of the branches (widest bounds, all members) is implied.
+fn summarize_case(case: &CaseExpr) -> Option<KeySummary> {
+    match case.else_expr().map(literal) {
+        None | Some(Some(ScalarValue::Boolean(Some(false)))) => {}
+        _ => return None,
+    }
+    let mut branches = Vec::new();
+    for (_, then) in case.when_then_expr() {
+        if literal(then) == Some(&ScalarValue::Boolean(Some(false))) {
+            continue;
+        }
+        let summary = summarize(then)?;
+        if !summary.nothing {
+            branches.push(summary);
+        }
+    }
+    let Some(first) = branches.first() else {
+        return Some(KeySummary {
+            nothing: true,
+            ..KeySummary::default()
+        });
+    };
+    let mut merged = KeySummary::default();
+    for (index, low, high) in &first.bounds {
+        let (mut low, mut high) = (low.clone(), high.clone());
+        let mut everywhere = true;
+        for branch in &branches[1..] {
+            match branch.bounds.iter().find(|(other, ..)| other == index) {
+                Some((_, other_low, other_high)) => {
+                    if other_low.partial_cmp(&low).is_some_and(|o| o.is_lt()) {
+                        low = other_low.clone();
+                    }
+                    if other_high.partial_cmp(&high).is_some_and(|o| o.is_gt()) {
+                        high = other_high.clone();
+                    }
+                }
+                None => everywhere = false,
+            }
+        }
+        if everywhere {
+            merged.bounds.push((*index, low, high));
+        }
+    }
+    if let Some((index, _)) = &first.members {
+        let arrays: Option<Vec<&ArrayRef>> = branches
+            .iter()
+            .map(|branch| match &branch.members {
+                Some((other, array)) if other == index => Some(array),
+                _ => None,
+            })
+            .collect();
+        if let Some(arrays) = arrays {
+            let arrays: Vec<&dyn Array> = arrays.iter().map(|array| array.as_ref()).collect();
+            if let Ok(all) = concat(&arrays) {
+                merged.members = Some((*index, all));
+            }
+        }
+    }
+    Some(merged)
+}
+
+/// Distinct, non-null values of `array`.
+fn distinct(array: &ArrayRef) -> Result<ArrayRef> {
+    let converter = RowConverter::new(vec![SortField::new(array.data_type().clone())])?;
+    let rows = converter.convert_columns(std::slice::from_ref(array))?;
+    let mut seen = HashSet::with_capacity(array.len());
+    let keep: Vec<u32> = (0..array.len())
+        .filter(|&index| array.is_valid(index) && seen.insert(rows.row(index)))
+        .map(|index| index as u32)
+        .collect();
+    Ok(take(array, &arrow::array::UInt32Array::from(keep), None)?)
+}
+
+fn build(
+    summary: &KeySummary,
+    settings: &JoinFilterSettings,
+    shipped: &[usize],
+    table_schema: &Schema,
+) -> Result<(Vec<Arc<dyn PhysicalExpr>>, String)> {
+    let table_column = |index: usize| -> Option<Arc<dyn PhysicalExpr>> {
+        let table_index = *shipped.get(index)?;
+        Some(Arc::new(Column::new(
+            table_schema.field(table_index).name(),
+            table_index,
+        )))
+    };
+    if summary.nothing {
+        return Ok((vec![lit(false)], "empty build side: nothing matches".into()));
+    }
+    let mut conjuncts: Vec<Arc<dyn PhysicalExpr>> = Vec::new();
+    let mut parts = Vec::new();
+    for (index, low, high) in &summary.bounds {
+        let Some(key) = table_column(*index) else {
+            continue;
+        };
+        conjuncts.push(Arc::new(BinaryExpr::new(
+            Arc::clone(&key),
+            Operator::GtEq,
+            lit(low.clone()),
+        )));
+        conjuncts.push(Arc::new(BinaryExpr::new(key, Operator::LtEq, lit(high.clone()))));
+        parts.push(format!("range [{low}, {high}]"));
+    }
+    if let Some((index, members)) = &summary.members {
+        if let Some(key) = table_column(*index) {
+            let members = distinct(members)?;
+            let keys = members.len();
+            if keys <= settings.list_max {
+                let list = (0..keys)
+                    .map(|row| Ok(lit(ScalarValue::try_from_array(&members, row)?)))
+                    .collect::<Result<Vec<_>>>()?;
+                conjuncts.push(Arc::new(InListExpr::try_new(key, list, false, table_schema)?));
+                parts.push(format!("list ({keys} keys)"));
+            } else if keys <= settings.keys_max {
+                let data_type = key.data_type(table_schema)?;
+                let bloom =
+                    BloomFilterExpr::try_new(key, data_type, &members, settings.bloom_fpp)?;
+                parts.push(format!(
+                    "bloom ({keys} keys, fpp {}, {} bytes)",
+                    settings.bloom_fpp,
+                    bloom.bitset().len()
+                ));
+                conjuncts.push(Arc::new(bloom));
+            } else {
+                parts.push(format!(
+                    "{keys} keys, above sieve.join_filter_keys_max: no membership test"
+                ));
+            }
+        }
+    }
+    if parts.is_empty() {
+        parts.push("nothing usable (hash-table lookup only)".into());
+    }
+    Ok((conjuncts, parts.join(" + ")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::Int64Array;
+    use arrow::datatypes::{DataType, Field};
+
+    fn settings() -> JoinFilterSettings {
+        JoinFilterSettings {
+            enabled: true,
+            list_max: 3,
+            keys_max: 1000,
+            bloom_fpp: 0.01,
+            wait: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn range_and_list_from_a_collect_left_filter() {
+        let schema = Schema::new(vec![
+            Field::new("a", DataType::Int64, false),
+            Field::new("k", DataType::Int64, false),
+        ]);
+        let key: Arc<dyn PhysicalExpr> = Arc::new(Column::new("k", 0));
+        let bounds = Arc::new(BinaryExpr::new(
+            Arc::new(BinaryExpr::new(Arc::clone(&key), Operator::GtEq, lit(5i64))),
+            Operator::And,
+            Arc::new(BinaryExpr::new(Arc::clone(&key), Operator::LtEq, lit(9i64))),
+        ));
+        let members: ArrayRef = Arc::new(Int64Array::from(vec![5, 9, 9, 7]));
+        let list = Arc::new(
+            InListExpr::try_new_from_array(Arc::clone(&key), members, false, &schema).unwrap(),
+        );
+        let filter: Arc<dyn PhysicalExpr> =
+            Arc::new(BinaryExpr::new(bounds, Operator::And, list));
+        let summary = summarize(&filter).unwrap();
+        // Scan output column 0 is table column 1.
+        let (conjuncts, description) = build(&summary, &settings(), &[1], &schema).unwrap();
+        assert_eq!(description, "range [5, 9] + list (3 keys)");
+        assert_eq!(conjuncts.len(), 3);
+        assert!(conjuncts.iter().all(|c| format!("{c}").contains("k@1")));
+    }
+
+    #[test]
+    fn many_keys_become_a_bloom_filter_and_partitions_are_merged() {
+        let schema = Schema::new(vec![Field::new("k", DataType::Int64, false)]);
+        let key: Arc<dyn PhysicalExpr> = Arc::new(Column::new("k", 0));
+        let branch = |values: Vec<i64>| -> Arc<dyn PhysicalExpr> {
+            let low = *values.iter().min().unwrap();
+            let high = *values.iter().max().unwrap();
+            let bounds = Arc::new(BinaryExpr::new(
+                Arc::new(BinaryExpr::new(Arc::clone(&key), Operator::GtEq, lit(low))),
+                Operator::And,
+                Arc::new(BinaryExpr::new(Arc::clone(&key), Operator::LtEq, lit(high))),
+            ));
+            let array: ArrayRef = Arc::new(Int64Array::from(values));
+            Arc::new(BinaryExpr::new(
+                bounds,
+                Operator::And,
+                Arc::new(
+                    InListExpr::try_new_from_array(Arc::clone(&key), array, false, &schema)
+                        .unwrap(),
+                ),
+            ))
+        };
+        let case: Arc<dyn PhysicalExpr> = Arc::new(
+            CaseExpr::try_new(
+                Some(Arc::clone(&key)),
+                vec![
+                    (lit(0i64), branch((0..10).collect())),
+                    (lit(1i64), branch((100..110).collect())),
+                    (lit(2i64), lit(false)),
+                ],
+                Some(lit(false)),
+            )
+            .unwrap(),
+        );
+        let summary = summarize(&case).unwrap();
+        let (conjuncts, description) = build(&summary, &settings(), &[0], &schema).unwrap();
+        assert!(description.starts_with("range [0, 109] + bloom (20 keys"), "{description}");
+        let bloom = conjuncts[2].downcast_ref::<BloomFilterExpr>().unwrap();
+        let batch = arrow::record_batch::RecordBatch::try_new(
+            Arc::new(schema.clone()),
+            vec![Arc::new(Int64Array::from(vec![0, 105, 109]))],
+        )
+        .unwrap();
+        let matched = bloom.evaluate(&batch).unwrap().into_array(3).unwrap();
+        let matched = matched
+            .as_any()
+            .downcast_ref::<arrow::array::BooleanArray>()
+            .unwrap();
+        assert!(matched.value(0) && matched.value(1) && matched.value(2));
+    }
+
+    #[test]
+    fn an_unknown_else_branch_gives_nothing() {
+        let key: Arc<dyn PhysicalExpr> = Arc::new(Column::new("k", 0));
+        let case = CaseExpr::try_new(
+            Some(Arc::clone(&key)),
+            vec![(lit(0i64), lit(true))],
+            Some(lit(true)),
+        )
+        .unwrap();
+        assert!(summarize_case(&case).is_none());
+    }
+}

@@ -1,0 +1,345 @@
+//! Physical optimizer rules that move work into fragments. Both run after
+//! DataFusion's own rules (so after its filter pushdown has linked hash joins
+//! to the scans below them).
+//!
+//! - [`PushAggregateToStorage`]: a partial `AggregateExec` over
+//!   (projection | filter | repartition | coalesce)* over a `SieveScanExec`
+//!   moves into the scan's fragment, if statistics say it shrinks the data.
+//!   The final aggregation on the compute node merges the shipped partial
+//!   states unchanged.
+//! - [`WaitForJoinFilters`]: a scan holding a hash join's dynamic filter is
+//!   told which join it comes from; it then waits for the join's build side
+//!   before sending requests, instead of racing it.
+
+use std::sync::Arc;
+
+use datafusion::common::config::ConfigOptions;
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::common::Result;
+use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_expr::utils::collect_columns;
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::filter::FilterExec;
+use datafusion::physical_plan::joins::HashJoinExec;
+use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
+use datafusion::physical_plan::{ExecutionPlan, Partitioning};
+use sieve_fragment::{check_plan_allowed, SliceInputExec};
+
+use crate::{PushedAggregate, SieveConfig, SieveScanExec};
+
+fn recompute() -> ReplaceChildrenOptions {
+    ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute)
+}
+
+/// Moves partial aggregations into fragments (see the module docs).
+#[derive(Debug, Default)]
+pub struct PushAggregateToStorage;
+
+impl PhysicalOptimizerRule for PushAggregateToStorage {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        config: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let settings = config
+            .extensions
+            .get::<SieveConfig>()
+            .cloned()
+            .unwrap_or_default();
+        if !settings.aggregate_pushdown {
+            return Ok(plan);
+        }
+        plan.transform_up(|node| push_aggregate(node, settings.aggregate_group_ratio_max))
+            .map(|transformed| transformed.data)
+    }
+
+    fn name(&self) -> &str {
+        "sieve_push_aggregate_to_storage"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+/// The operators between a partial aggregation and the scan below it.
+struct Chain {
+    /// Projections and filters kept, top first.
+    kept: Vec<Arc<dyn ExecutionPlan>>,
+    scan: Arc<dyn ExecutionPlan>,
+}
+
+fn find_chain(input: &Arc<dyn ExecutionPlan>) -> Option<Chain> {
+    let mut kept = Vec::new();
+    let mut current = Arc::clone(input);
+    loop {
+        if current.downcast_ref::<SieveScanExec>().is_some() {
+            return Some(Chain {
+                kept,
+                scan: current,
+            });
+        }
+        let passes_through = current
+            .downcast_ref::<RepartitionExec>()
+            .is_some_and(|repartition| {
+                matches!(
+                    repartition.partitioning(),
+                    Partitioning::RoundRobinBatch(_)
+                ) && !repartition.preserve_order()
+            })
+            || current.downcast_ref::<CoalescePartitionsExec>().is_some();
+        let kept_here = current.downcast_ref::<ProjectionExec>().is_some()
+            || current.downcast_ref::<FilterExec>().is_some();
+        if !passes_through && !kept_here {
+            return None;
+        }
+        if kept_here {
+            kept.push(Arc::clone(&current));
+        }
+        let [child] = current.children()[..] else {
+            return None;
+        };
+        current = Arc::clone(child);
+    }
+}
+
+/// Table columns that output column `index` of `node` (one of the chain, or
+/// the scan) depends on.
+fn table_columns_of(node: &Arc<dyn ExecutionPlan>, index: usize, out: &mut Vec<usize>) -> bool {
+    if let Some(scan) = node.downcast_ref::<SieveScanExec>() {
+        return match scan.shipped_columns().get(index) {
+            Some(&column) if !scan.outputs_no_columns() => {
+                out.push(column);
+                true
+            }
+            _ => false,
+        };
+    }
+    let [child] = node.children()[..] else {
+        return false;
+    };
+    if let Some(projection) = node.downcast_ref::<ProjectionExec>() {
+        let Some(expr) = projection.expr().get(index) else {
+            return false;
+        };
+        return collect_columns(&expr.expr)
+            .iter()
+            .all(|column| table_columns_of(child, column.index(), out));
+    }
+    if let Some(filter) = node.downcast_ref::<FilterExec>() {
+        let input_index = match filter.projection().as_ref() {
+            Some(projection) => match projection.get(index) {
+                Some(&input_index) => input_index,
+                None => return false,
+            },
+            None => index,
+        };
+        return table_columns_of(child, input_index, out);
+    }
+    // Repartition and coalesce keep columns as they are.
+    table_columns_of(child, index, out)
+}
+
+/// Estimated groups per slice over rows per slice, summed over the slices,
+/// from the per-slice distinct counts of the grouping columns.
+fn group_ratio(
+    aggregate: &AggregateExec,
+    scan: &SieveScanExec,
+) -> std::result::Result<(f64, u64, u64), String> {
+    let mut columns = Vec::new();
+    for (expr, _) in aggregate.group_expr().expr() {
+        let found = collect_columns(expr)
+            .iter()
+            .all(|column: &Column| table_columns_of(aggregate.input(), column.index(), &mut columns));
+        if !found {
+            return Err(format!("cannot trace grouping expression {expr} to table columns"));
+        }
+    }
+    columns.sort_unstable();
+    columns.dedup();
+    let (mut groups, mut rows) = (0u64, 0u64);
+    for slice in &scan.table().slices {
+        let slice_rows = slice.summary.rows;
+        let mut estimate: u64 = 1;
+        for &column in &columns {
+            let distinct = slice
+                .summary
+                .columns
+                .get(column)
+                .and_then(|summary| summary.distinct_count)
+                .unwrap_or(slice_rows);
+            estimate = estimate.saturating_mul(distinct.max(1));
+        }
+        groups += estimate.min(slice_rows.max(1));
+        rows += slice_rows;
+    }
+    let ratio = if rows == 0 {
+        0.0
+    } else {
+        groups as f64 / rows as f64
+    };
+    Ok((ratio, groups, rows))
+}
+
+fn push_aggregate(
+    node: Arc<dyn ExecutionPlan>,
+    ratio_max: f64,
+) -> Result<Transformed<Arc<dyn ExecutionPlan>>> {
+    let Some(aggregate) = node.downcast_ref::<AggregateExec>() else {
+        return Ok(Transformed::no(node));
+    };
+    if *aggregate.mode() != AggregateMode::Partial {
+        return Ok(Transformed::no(node));
+    }
+    let Some(chain) = find_chain(aggregate.input()) else {
+        return Ok(Transformed::no(node));
+    };
+    let scan = chain
+        .scan
+        .downcast_ref::<SieveScanExec>()
+        .expect("the chain ends in a scan");
+    if scan.aggregate().is_some() {
+        return Ok(Transformed::no(node));
+    }
+    let annotate = |note: String| -> Result<Transformed<Arc<dyn ExecutionPlan>>> {
+        let annotated: Arc<dyn ExecutionPlan> = Arc::new(scan.with_aggregate_note(note));
+        let replaced = Arc::clone(&node).transform_up(|inner| {
+            Ok(if inner.downcast_ref::<SieveScanExec>().is_some() {
+                Transformed::yes(Arc::clone(&annotated))
+            } else {
+                Transformed::no(inner)
+            })
+        })?;
+        Ok(Transformed::yes(replaced.data))
+    };
+    let (ratio, groups, rows) = match group_ratio(aggregate, scan) {
+        Ok(estimate) => estimate,
+        Err(note) => return annotate(note),
+    };
+    let slices = scan.table().slices.len().max(1) as u64;
+    let estimate = format!(
+        "est. {} groups per slice of {} rows, ratio {ratio:.3}",
+        groups / slices,
+        rows / slices
+    );
+    if ratio > ratio_max {
+        return annotate(format!(
+            "{estimate} > sieve.aggregate_group_ratio_max {ratio_max}: it would not shrink the data"
+        ));
+    }
+
+    // The operators as the storage node runs them: the kept projections and
+    // filters over a placeholder for the slice's filtered, projected rows.
+    let shipped_schema = Arc::new(scan.table().schema.project(scan.shipped_columns())?);
+    let mut input: Arc<dyn ExecutionPlan> = Arc::new(SliceInputExec::new(shipped_schema));
+    if scan.outputs_no_columns() {
+        input = Arc::new(ProjectionExec::try_new(
+            Vec::<(Arc<dyn PhysicalExpr>, String)>::new(),
+            input,
+        )?);
+    }
+    for kept in chain.kept.iter().rev() {
+        input = Arc::clone(kept).replace_children(vec![input], recompute())?;
+    }
+    let partial = Arc::clone(&node).replace_children(vec![input], recompute())?;
+    if let Err(error) = check_plan_allowed(&partial) {
+        return annotate(error.strip_backtrace());
+    }
+    let groups_text: Vec<String> = aggregate
+        .group_expr()
+        .expr()
+        .iter()
+        .map(|(_, name)| name.clone())
+        .collect();
+    let aggregates_text: Vec<String> = aggregate
+        .aggr_expr()
+        .iter()
+        .map(|function| function.name().to_string())
+        .collect();
+    let description = format!(
+        "partial [{}] group by [{}] ({estimate})",
+        aggregates_text.join(", "),
+        groups_text.join(", ")
+    );
+    match scan.with_aggregate(PushedAggregate {
+        plan: partial,
+        description,
+    }) {
+        Ok(pushed) => Ok(Transformed::yes(Arc::new(pushed))),
+        Err(error) => annotate(error.strip_backtrace()),
+    }
+}
+
+/// Tells scans which hash join each of their dynamic filters comes from, so
+/// they wait for it (see the module docs).
+#[derive(Debug, Default)]
+pub struct WaitForJoinFilters;
+
+/// Tables scanned under `plan`, for "join filter from ...".
+fn build_side_name(plan: &Arc<dyn ExecutionPlan>) -> String {
+    let mut tables = Vec::new();
+    let _ = plan.apply(|node| {
+        if let Some(scan) = node.downcast_ref::<SieveScanExec>() {
+            tables.push(scan.table().name.clone());
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    if tables.is_empty() {
+        "the build side".to_string()
+    } else {
+        tables.join(" ⋈ ")
+    }
+}
+
+impl PhysicalOptimizerRule for WaitForJoinFilters {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        _config: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let mut sources: Vec<(u64, String)> = Vec::new();
+        plan.apply(|node| {
+            if let Some(join) = node.downcast_ref::<HashJoinExec>() {
+                for filter in join.dynamic_expressions_produced() {
+                    if let Some(id) = filter.expression_id() {
+                        sources.push((id, build_side_name(join.left())));
+                    }
+                }
+            }
+            Ok(TreeNodeRecursion::Continue)
+        })?;
+        if sources.is_empty() {
+            return Ok(plan);
+        }
+        plan.transform_up(|node| {
+            let Some(scan) = node.downcast_ref::<SieveScanExec>() else {
+                return Ok(Transformed::no(node));
+            };
+            let mut updated: Option<SieveScanExec> = None;
+            for (id, source) in &sources {
+                let current = updated.as_ref().unwrap_or(scan);
+                if current.holds_expression_id(*id) {
+                    updated = Some(current.with_join_filter_source(*id, source));
+                }
+            }
+            Ok(match updated {
+                Some(updated) => Transformed::yes(Arc::new(updated) as Arc<dyn ExecutionPlan>),
+                None => Transformed::no(node),
+            })
+        })
+        .map(|transformed| transformed.data)
+    }
+
+    fn name(&self) -> &str {
+        "sieve_wait_for_join_filters"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,216 @@
+//! How a fragment's operators and Sieve's own expressions cross the wire.
+//!
+//! A pushed aggregate travels as a datafusion-proto `PhysicalPlanNode` whose
+//! leaf is a [`SliceInputExec`]: a placeholder for "the slice, filtered and
+//! projected by this fragment". The storage node decodes the plan once and
+//! puts its slice scan in the placeholder's place for every slice.
+//! [`BloomFilterExpr`] is the other extension this codec knows.
+
+use std::fmt;
+use std::sync::Arc;
+
+use arrow::datatypes::{DataType, SchemaRef};
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::{internal_err, plan_datafusion_err, plan_err, Result};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
+};
+use datafusion_proto::physical_plan::{PhysicalExtensionCodec, PhysicalProtoConverterExtension};
+use datafusion::physical_expr_common::physical_expr::proto_decode::PhysicalExprDecodeCtx;
+use datafusion::physical_expr_common::physical_expr::proto_encode::PhysicalExprEncodeCtx;
+use prost::Message;
+
+use crate::BloomFilterExpr;
+
+/// Stands for the slice's rows after the fragment's filter and projection.
+/// Never executed: the storage node replaces it before running the plan.
+#[derive(Debug)]
+pub struct SliceInputExec {
+    properties: Arc<PlanProperties>,
+}
+
+impl SliceInputExec {
+    /// A placeholder producing `schema`.
+    pub fn new(schema: SchemaRef) -> Self {
+        Self {
+            properties: Arc::new(PlanProperties::new(
+                EquivalenceProperties::new(schema),
+                Partitioning::UnknownPartitioning(1),
+                EmissionType::Incremental,
+                Boundedness::Bounded,
+            )),
+        }
+    }
+}
+
+impl DisplayAs for SliceInputExec {
+    fn fmt_as(&self, _format: DisplayFormatType, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(formatter, "SliceInputExec")
+    }
+}
+
+impl ExecutionPlan for SliceInputExec {
+    fn name(&self) -> &str {
+        "SliceInputExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.properties
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![]
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        if !children.is_empty() {
+            return internal_err!("SliceInputExec has no children");
+        }
+        Ok(self)
+    }
+
+    fn execute(
+        &self,
+        _partition: usize,
+        _context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        internal_err!("SliceInputExec is a placeholder and is replaced before execution")
+    }
+}
+
+/// Wire form of a [`BloomFilterExpr`]; its input travels as the extension
+/// node's child.
+#[derive(Clone, PartialEq, Message)]
+struct BloomFilterNode {
+    #[prost(bytes = "vec", tag = "1")]
+    bitset: Vec<u8>,
+    #[prost(uint64, tag = "2")]
+    keys: u64,
+    #[prost(double, tag = "3")]
+    fpp: f64,
+}
+
+/// Wire form of a [`SliceInputExec`]: nothing; its schema is the fragment's
+/// projection of the table schema, which the decoder knows.
+#[derive(Clone, PartialEq, Message)]
+struct SliceInputNode {
+    #[prost(uint32, tag = "1")]
+    marker: u32,
+}
+
+const SLICE_INPUT_MARKER: u32 = 0x51_1c_e0;
+
+/// The codec for fragments. `slice_schema` is the schema a decoded
+/// [`SliceInputExec`] gets (the fragment's projection of the table schema).
+#[derive(Debug, Clone)]
+pub struct SieveCodec {
+    slice_schema: Option<SchemaRef>,
+}
+
+impl SieveCodec {
+    /// A codec for encoding (and for decoding expressions only).
+    pub fn new() -> Self {
+        Self { slice_schema: None }
+    }
+
+    /// A codec that decodes a [`SliceInputExec`] with `schema`.
+    pub fn with_slice_schema(schema: SchemaRef) -> Self {
+        Self {
+            slice_schema: Some(schema),
+        }
+    }
+}
+
+impl Default for SieveCodec {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PhysicalExtensionCodec for SieveCodec {
+    fn try_decode(
+        &self,
+        buf: &[u8],
+        inputs: &[Arc<dyn ExecutionPlan>],
+        _ctx: &TaskContext,
+        _proto_converter: &dyn PhysicalProtoConverterExtension,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let node = SliceInputNode::decode(buf)
+            .map_err(|error| plan_datafusion_err!("malformed fragment operator: {error}"))?;
+        if node.marker != SLICE_INPUT_MARKER || !inputs.is_empty() {
+            return plan_err!("unknown operator in NDP fragment");
+        }
+        let Some(schema) = &self.slice_schema else {
+            return plan_err!("a slice input is not expected in this part of the fragment");
+        };
+        Ok(Arc::new(SliceInputExec::new(Arc::clone(schema))))
+    }
+
+    fn try_encode(
+        &self,
+        node: Arc<dyn ExecutionPlan>,
+        buf: &mut Vec<u8>,
+        _proto_converter: &dyn PhysicalProtoConverterExtension,
+    ) -> Result<()> {
+        if node.downcast_ref::<SliceInputExec>().is_none() {
+            return plan_err!("operator {} cannot be part of an NDP fragment", node.name());
+        }
+        SliceInputNode {
+            marker: SLICE_INPUT_MARKER,
+        }
+        .encode(buf)
+        .map_err(|error| plan_datafusion_err!("cannot encode fragment operator: {error}"))
+    }
+
+    fn try_decode_expr(
+        &self,
+        buf: &[u8],
+        inputs: &[Arc<dyn PhysicalExpr>],
+        ctx: &PhysicalExprDecodeCtx<'_>,
+    ) -> Result<Arc<dyn PhysicalExpr>> {
+        let node = BloomFilterNode::decode(buf)
+            .map_err(|error| plan_datafusion_err!("malformed Bloom filter: {error}"))?;
+        let [input] = inputs else {
+            return plan_err!("a Bloom filter has one input, got {}", inputs.len());
+        };
+        let data_type: DataType = input.data_type(ctx.schema())?;
+        Ok(Arc::new(BloomFilterExpr::from_bitset(
+            Arc::clone(input),
+            data_type,
+            node.bitset,
+            node.keys,
+            node.fpp,
+        )?))
+    }
+
+    fn try_encode_expr(
+        &self,
+        node: &Arc<dyn PhysicalExpr>,
+        buf: &mut Vec<u8>,
+        _ctx: &PhysicalExprEncodeCtx<'_>,
+    ) -> Result<()> {
+        let Some(bloom) = node.downcast_ref::<BloomFilterExpr>() else {
+            return plan_err!("expression {node} cannot be part of an NDP fragment");
+        };
+        BloomFilterNode {
+            bitset: bloom.bitset().to_vec(),
+            keys: bloom.keys(),
+            fpp: bloom.fpp(),
+        }
+        .encode(buf)
+        .map_err(|error| plan_datafusion_err!("cannot encode Bloom filter: {error}"))
+    }
+}
