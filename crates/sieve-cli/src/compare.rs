@@ -16,11 +16,21 @@ use std::sync::Arc;
 /// A plain DataFusion session over the same slice files, read locally,
 /// without Sieve: the independent reference for every result.
 pub async fn reference_context(root: &Path, nodes: usize) -> Result<SessionContext> {
+    let names: Vec<&str> = TPCH_TABLES.iter().map(|table| table.name).collect();
+    reference_context_for(root, nodes, &names).await
+}
+
+/// Like [`reference_context`], for the tables named.
+pub async fn reference_context_for(
+    root: &Path,
+    nodes: usize,
+    tables: &[&str],
+) -> Result<SessionContext> {
     let context = SessionContext::new();
-    for table in TPCH_TABLES {
+    for &table in tables {
         let mut urls = Vec::new();
         for node in 0..nodes {
-            let directory = node_directory(root, node).join(table.name);
+            let directory = node_directory(root, node).join(table);
             if directory.is_dir() {
                 urls.push(ListingTableUrl::parse(format!(
                     "{}/",
@@ -32,7 +42,7 @@ pub async fn reference_context(root: &Path, nodes: usize) -> Result<SessionConte
             ListingOptions::new(Arc::new(ParquetFormat::default())).with_file_extension(".parquet");
         let config = ListingTableConfig::new_with_multi_paths(urls).with_listing_options(options);
         let config = config.infer_schema(&context.state()).await?;
-        context.register_table(table.name, Arc::new(ListingTable::try_new(config)?))?;
+        context.register_table(table, Arc::new(ListingTable::try_new(config)?))?;
     }
     Ok(context)
 }

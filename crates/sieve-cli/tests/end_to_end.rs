@@ -78,6 +78,13 @@ fn find_scans(plan: &Arc<dyn ExecutionPlan>, found: &mut Vec<Arc<dyn ExecutionPl
 }
 
 fn metric(plan: &Arc<dyn ExecutionPlan>, name: &str) -> usize {
+    if name == "output_rows" {
+        // DataFusion keeps output rows apart from named counters.
+        return plan
+            .metrics()
+            .and_then(|metrics| metrics.output_rows())
+            .unwrap_or(0);
+    }
     plan.metrics()
         .and_then(|metrics| metrics.sum_by_name(name))
         .map(|value| value.as_usize())
@@ -179,5 +186,70 @@ async fn explain_names_what_was_pushed() {
             .to_string()
             .contains("sieve.ndp must be 'on' or 'off'"),
         "{error}"
+    );
+}
+
+/// Metrics of the scan of `table` after running `sql`, and the rows.
+async fn scan_metrics(
+    session: &SieveSession,
+    sql: &str,
+    table: &str,
+    names: &[&str],
+) -> (Vec<usize>, Vec<String>) {
+    let plan = session
+        .context
+        .sql(sql)
+        .await
+        .unwrap()
+        .create_physical_plan()
+        .await
+        .unwrap();
+    let batches = collect(Arc::clone(&plan), session.context.task_ctx())
+        .await
+        .unwrap();
+    let mut scans = Vec::new();
+    find_scans(&plan, &mut scans);
+    let scan = scans
+        .into_iter()
+        .find(|scan| {
+            scan.downcast_ref::<SieveScanExec>().unwrap().table().name == table
+        })
+        .expect("a scan of the table");
+    (
+        names.iter().map(|name| metric(&scan, name)).collect(),
+        rows_as_text(&batches, true).unwrap(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn join_filter_skips_probe_pages_and_ships_far_fewer_rows() {
+    let (_root, _cluster, session) = start().await;
+    // A few orders (one day's) are the build side; lineitem is probed.
+    let sql = "select o_orderkey, sum(l_extendedprice) from orders, lineitem \
+               where o_orderkey = l_orderkey and o_orderdate = date '1995-03-15' \
+               group by o_orderkey";
+    let names = ["output_rows", "bytes_shipped", "pages_read", "pages_considered"];
+    let (with, rows_with) = scan_metrics(&session, sql, "lineitem", &names).await;
+    session
+        .context
+        .sql("set sieve.join_filters = false")
+        .await
+        .unwrap();
+    let (without, rows_without) = scan_metrics(&session, sql, "lineitem", &names).await;
+    session
+        .context
+        .sql("set sieve.join_filters = true")
+        .await
+        .unwrap();
+    eprintln!("lineitem scan {names:?}: with join filters {with:?}, without {without:?}");
+    assert_eq!(rows_with, rows_without, "same result with and without join filters");
+    assert!(!rows_with.is_empty(), "the day has orders");
+    assert!(
+        with[0] > 0 && with[0] * 10 <= without[0] && with[1] * 10 <= without[1],
+        "rows and bytes shipped: {with:?} with join filters, {without:?} without"
+    );
+    assert!(
+        with[2] < without[2] && without[2] == without[3],
+        "pages read: {with:?} with join filters, {without:?} without"
     );
 }
