@@ -24,6 +24,8 @@ pub struct DemoOptions {
     pub data_directory: PathBuf,
     /// Queries to run (`q1`..`q22`); empty means all.
     pub queries: Vec<String>,
+    /// Flight URLs of running storage nodes; empty starts the embedded cluster.
+    pub cluster: Vec<String>,
 }
 
 /// One query's measurements.
@@ -37,6 +39,11 @@ pub struct QueryReport {
     pub time_on: Duration,
     /// Median wall time with NDP off.
     pub time_off: Duration,
+    /// Median CPU time of this process with NDP on: the compute node's alone
+    /// when the storage nodes run elsewhere (`--cluster`).
+    pub cpu_on: Duration,
+    /// Median CPU time of this process with NDP off.
+    pub cpu_off: Duration,
     /// Bytes shipped storage-to-compute with NDP on (one run).
     pub bytes_on: u64,
     /// Bytes shipped with NDP off (one run).
@@ -71,51 +78,92 @@ fn median(mut times: Vec<Duration>) -> Duration {
     times[times.len() / 2]
 }
 
-async fn timed(
-    session: &SieveSession,
-    sql: &str,
-) -> Result<(Duration, u64, Vec<arrow::record_batch::RecordBatch>)> {
+/// CPU time (user + system) of this process so far.
+fn process_cpu() -> Duration {
+    // SAFETY: `usage` is a valid, writable rusage and RUSAGE_SELF a constant.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
+        return Duration::ZERO;
+    }
+    let time = |value: libc::timeval| {
+        Duration::from_secs(value.tv_sec as u64) + Duration::from_micros(value.tv_usec as u64)
+    };
+    time(usage.ru_utime) + time(usage.ru_stime)
+}
+
+struct Timed {
+    wall: Duration,
+    cpu: Duration,
+    shipped: u64,
+    batches: Vec<arrow::record_batch::RecordBatch>,
+}
+
+async fn timed(session: &SieveSession, sql: &str) -> Result<Timed> {
     let before = session.traffic.snapshot();
+    let cpu_before = process_cpu();
     let started = Instant::now();
     let batches = run(&session.context, sql).await?;
-    let elapsed = started.elapsed();
+    let wall = started.elapsed();
+    let cpu = process_cpu().saturating_sub(cpu_before);
     let shipped = session.traffic.snapshot().since(&before).bytes_shipped();
-    Ok((elapsed, shipped, batches))
+    Ok(Timed {
+        wall,
+        cpu,
+        shipped,
+        batches,
+    })
 }
 
 /// Run the demo and return one report per query. Fails if NDP on and off
 /// ever disagree on a result.
 pub async fn run_demo(options: &DemoOptions) -> Result<Vec<QueryReport>> {
-    let root = ensure_data(options)?;
-    let cluster = EmbeddedCluster::start(&root, options.nodes).await?;
-    let session = connect_session(&cluster.urls()).await?;
+    let (_cluster, urls) = if options.cluster.is_empty() {
+        let root = ensure_data(options)?;
+        let cluster = EmbeddedCluster::start(&root, options.nodes).await?;
+        let urls = cluster.urls();
+        (Some(cluster), urls)
+    } else {
+        (None, options.cluster.clone())
+    };
+    let session = connect_session(&urls).await?;
     let mut reports = Vec::new();
     for (name, sql) in TPCH_QUERIES {
         if !options.queries.is_empty() && !options.queries.iter().any(|wanted| wanted == name) {
             continue;
         }
         let (mut times_on, mut times_off) = (Vec::new(), Vec::new());
+        let (mut cpus_on, mut cpus_off) = (Vec::new(), Vec::new());
         let (mut bytes_on, mut bytes_off, mut rows) = (0, 0, 0);
-        for _ in 0..options.runs.max(1) {
+        // With several runs, one untimed warm-up per mode first (metadata
+        // caches, connections), so the median describes a warm system.
+        let warmups = usize::from(options.runs > 1);
+        for run_index in 0..options.runs.max(1) + warmups {
             session.set_ndp(true)?;
-            let (time, bytes, on) = timed(&session, sql).await?;
-            times_on.push(time);
-            bytes_on = bytes;
+            let on = timed(&session, sql).await?;
             session.set_ndp(false)?;
-            let (time, bytes, off) = timed(&session, sql).await?;
-            times_off.push(time);
-            bytes_off = bytes;
+            let off = timed(&session, sql).await?;
             let ordered = is_ordered(sql);
-            if rows_as_text(&on, !ordered)? != rows_as_text(&off, !ordered)? {
+            if rows_as_text(&on.batches, !ordered)? != rows_as_text(&off.batches, !ordered)? {
                 return exec_err!("{name}: NDP on and NDP off returned different results");
             }
-            rows = on.iter().map(|batch| batch.num_rows()).sum();
+            rows = on.batches.iter().map(|batch| batch.num_rows()).sum();
+            if run_index < warmups {
+                continue;
+            }
+            times_on.push(on.wall);
+            times_off.push(off.wall);
+            cpus_on.push(on.cpu);
+            cpus_off.push(off.cpu);
+            bytes_on = on.shipped;
+            bytes_off = off.shipped;
         }
         let report = QueryReport {
             name: name.to_string(),
             rows,
             time_on: median(times_on),
             time_off: median(times_off),
+            cpu_on: median(cpus_on),
+            cpu_off: median(cpus_off),
             bytes_on,
             bytes_off,
         };
@@ -133,7 +181,7 @@ fn megabytes(bytes: u64) -> f64 {
 /// Header of the per-query table.
 pub fn format_header() -> String {
     format!(
-        "| {:<5} | {:>6} | {:>9} | {:>9} | {:>7} | {:>11} | {:>11} | {:>8} |\n|{}|",
+        "| {:<5} | {:>6} | {:>9} | {:>9} | {:>7} | {:>11} | {:>11} | {:>8} | {:>9} | {:>9} | {:>7} |\n|{}|",
         "query",
         "rows",
         "on ms",
@@ -142,14 +190,17 @@ pub fn format_header() -> String {
         "shipped on",
         "shipped off",
         "on/off",
-        "-------|--------|-----------|-----------|---------|-------------|-------------|----------"
+        "cpu on ms",
+        "cpu off ms",
+        "on/off",
+        "-------|--------|-----------|-----------|---------|-------------|-------------|----------|-----------|-----------|---------"
     )
 }
 
 /// One row of the per-query table.
 pub fn format_row(report: &QueryReport) -> String {
     format!(
-        "| {:<5} | {:>6} | {:>9.1} | {:>9.1} | {:>6.2}x | {:>8.2} MB | {:>8.2} MB | {:>7.1}% |",
+        "| {:<5} | {:>6} | {:>9.1} | {:>9.1} | {:>6.2}x | {:>8.2} MB | {:>8.2} MB | {:>7.1}% | {:>9.1} | {:>9.1} | {:>6.1}% |",
         report.name,
         report.rows,
         report.time_on.as_secs_f64() * 1e3,
@@ -158,6 +209,9 @@ pub fn format_row(report: &QueryReport) -> String {
         megabytes(report.bytes_on),
         megabytes(report.bytes_off),
         100.0 * report.bytes_on as f64 / (report.bytes_off.max(1)) as f64,
+        report.cpu_on.as_secs_f64() * 1e3,
+        report.cpu_off.as_secs_f64() * 1e3,
+        100.0 * report.cpu_on.as_secs_f64() / report.cpu_off.as_secs_f64().max(1e-9),
     )
 }
 
@@ -173,6 +227,8 @@ pub fn format_table(reports: &[QueryReport]) -> String {
         rows: reports.iter().map(|report| report.rows).sum(),
         time_on: reports.iter().map(|report| report.time_on).sum(),
         time_off: reports.iter().map(|report| report.time_off).sum(),
+        cpu_on: reports.iter().map(|report| report.cpu_on).sum(),
+        cpu_off: reports.iter().map(|report| report.cpu_off).sum(),
         bytes_on: reports.iter().map(|report| report.bytes_on).sum(),
         bytes_off: reports.iter().map(|report| report.bytes_off).sum(),
     };

@@ -211,9 +211,7 @@ async fn scan_metrics(
     find_scans(&plan, &mut scans);
     let scan = scans
         .into_iter()
-        .find(|scan| {
-            scan.downcast_ref::<SieveScanExec>().unwrap().table().name == table
-        })
+        .find(|scan| scan.downcast_ref::<SieveScanExec>().unwrap().table().name == table)
         .expect("a scan of the table");
     (
         names.iter().map(|name| metric(&scan, name)).collect(),
@@ -228,7 +226,12 @@ async fn join_filter_skips_probe_pages_and_ships_far_fewer_rows() {
     let sql = "select o_orderkey, sum(l_extendedprice) from orders, lineitem \
                where o_orderkey = l_orderkey and o_orderdate = date '1995-03-15' \
                group by o_orderkey";
-    let names = ["output_rows", "bytes_shipped", "pages_read", "pages_considered"];
+    let names = [
+        "output_rows",
+        "bytes_shipped",
+        "pages_read",
+        "pages_considered",
+    ];
     let (with, rows_with) = scan_metrics(&session, sql, "lineitem", &names).await;
     session
         .context
@@ -242,7 +245,10 @@ async fn join_filter_skips_probe_pages_and_ships_far_fewer_rows() {
         .await
         .unwrap();
     eprintln!("lineitem scan {names:?}: with join filters {with:?}, without {without:?}");
-    assert_eq!(rows_with, rows_without, "same result with and without join filters");
+    assert_eq!(
+        rows_with, rows_without,
+        "same result with and without join filters"
+    );
     assert!(!rows_with.is_empty(), "the day has orders");
     assert!(
         with[0] > 0 && with[0] * 10 <= without[0] && with[1] * 10 <= without[1],

@@ -115,7 +115,10 @@ pub(crate) async fn resolve(
         let description = if complete {
             description
         } else {
-            format!("{description} (build side not complete after {:?})", settings.wait)
+            format!(
+                "{description} (build side not complete after {:?})",
+                settings.wait
+            )
         };
         descriptions.push(format!("join filter from {source}: {description}"));
         conjuncts.extend(parts);
@@ -155,9 +158,13 @@ fn summarize(expr: &Arc<dyn PhysicalExpr>) -> Option<KeySummary> {
             }
         } else if let Some(in_list) = conjunct.downcast_ref::<InListExpr>() {
             if let Some(index) = column(in_list.expr()).filter(|_| !in_list.negated()) {
-                let values: Option<Vec<ScalarValue>> =
-                    in_list.list().iter().map(|item| literal(item).cloned()).collect();
-                if let Some(array) = values.and_then(|values| ScalarValue::iter_to_array(values).ok())
+                let values: Option<Vec<ScalarValue>> = in_list
+                    .list()
+                    .iter()
+                    .map(|item| literal(item).cloned())
+                    .collect();
+                if let Some(array) =
+                    values.and_then(|values| ScalarValue::iter_to_array(values).ok())
                 {
                     summary.members = Some((index, array));
                 }
@@ -280,7 +287,11 @@ fn build(
             Operator::GtEq,
             lit(low.clone()),
         )));
-        conjuncts.push(Arc::new(BinaryExpr::new(key, Operator::LtEq, lit(high.clone()))));
+        conjuncts.push(Arc::new(BinaryExpr::new(
+            key,
+            Operator::LtEq,
+            lit(high.clone()),
+        )));
         parts.push(format!("range [{low}, {high}]"));
     }
     if let Some((index, members)) = &summary.members {
@@ -291,12 +302,16 @@ fn build(
                 let list = (0..keys)
                     .map(|row| Ok(lit(ScalarValue::try_from_array(&members, row)?)))
                     .collect::<Result<Vec<_>>>()?;
-                conjuncts.push(Arc::new(InListExpr::try_new(key, list, false, table_schema)?));
+                conjuncts.push(Arc::new(InListExpr::try_new(
+                    key,
+                    list,
+                    false,
+                    table_schema,
+                )?));
                 parts.push(format!("list ({keys} keys)"));
             } else if keys <= settings.keys_max {
                 let data_type = key.data_type(table_schema)?;
-                let bloom =
-                    BloomFilterExpr::try_new(key, data_type, &members, settings.bloom_fpp)?;
+                let bloom = BloomFilterExpr::try_new(key, data_type, &members, settings.bloom_fpp)?;
                 parts.push(format!(
                     "bloom ({keys} keys, fpp {}, {} bytes)",
                     settings.bloom_fpp,
@@ -348,8 +363,7 @@ mod tests {
         let list = Arc::new(
             InListExpr::try_new_from_array(Arc::clone(&key), members, false, &schema).unwrap(),
         );
-        let filter: Arc<dyn PhysicalExpr> =
-            Arc::new(BinaryExpr::new(bounds, Operator::And, list));
+        let filter: Arc<dyn PhysicalExpr> = Arc::new(BinaryExpr::new(bounds, Operator::And, list));
         let summary = summarize(&filter).unwrap();
         // Scan output column 0 is table column 1.
         let (conjuncts, description) = build(&summary, &settings(), &[1], &schema).unwrap();
@@ -394,7 +408,10 @@ mod tests {
         );
         let summary = summarize(&case).unwrap();
         let (conjuncts, description) = build(&summary, &settings(), &[0], &schema).unwrap();
-        assert!(description.starts_with("range [0, 109] + bloom (20 keys"), "{description}");
+        assert!(
+            description.starts_with("range [0, 109] + bloom (20 keys"),
+            "{description}"
+        );
         let bloom = conjuncts[2].downcast_ref::<BloomFilterExpr>().unwrap();
         let batch = arrow::record_batch::RecordBatch::try_new(
             Arc::new(schema.clone()),

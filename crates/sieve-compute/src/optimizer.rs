@@ -22,11 +22,11 @@ use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::HashJoinExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
-use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
 use datafusion::physical_plan::{ExecutionPlan, Partitioning};
 use sieve_fragment::{check_plan_allowed, SliceInputExec};
 
@@ -87,10 +87,8 @@ fn find_chain(input: &Arc<dyn ExecutionPlan>) -> Option<Chain> {
         let passes_through = current
             .downcast_ref::<RepartitionExec>()
             .is_some_and(|repartition| {
-                matches!(
-                    repartition.partitioning(),
-                    Partitioning::RoundRobinBatch(_)
-                ) && !repartition.preserve_order()
+                matches!(repartition.partitioning(), Partitioning::RoundRobinBatch(_))
+                    && !repartition.preserve_order()
             })
             || current.downcast_ref::<CoalescePartitionsExec>().is_some();
         let kept_here = current.downcast_ref::<ProjectionExec>().is_some()
@@ -153,11 +151,13 @@ fn group_ratio(
 ) -> std::result::Result<(f64, u64, u64), String> {
     let mut columns = Vec::new();
     for (expr, _) in aggregate.group_expr().expr() {
-        let found = collect_columns(expr)
-            .iter()
-            .all(|column: &Column| table_columns_of(aggregate.input(), column.index(), &mut columns));
+        let found = collect_columns(expr).iter().all(|column: &Column| {
+            table_columns_of(aggregate.input(), column.index(), &mut columns)
+        });
         if !found {
-            return Err(format!("cannot trace grouping expression {expr} to table columns"));
+            return Err(format!(
+                "cannot trace grouping expression {expr} to table columns"
+            ));
         }
     }
     columns.sort_unstable();

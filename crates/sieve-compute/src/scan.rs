@@ -25,11 +25,13 @@ use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::common::{internal_err, DataFusionError, Result, Statistics};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::expressions::DynamicFilterPhysicalExpr;
-use datafusion::physical_expr::{conjunction as physical_conjunction, EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_expr::{
+    conjunction as physical_conjunction, EquivalenceProperties, PhysicalExpr,
+};
+use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::filter_pushdown::{
     ChildPushdownResult, FilterPushdownPhase, FilterPushdownPropagation, PushedDown,
 };
-use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricBuilder, MetricsSet};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
@@ -70,6 +72,17 @@ pub struct SieveScanExec {
     metrics: ExecutionPlanMetricsSet,
 }
 
+/// How a scan runs: its partitions, read-ahead and join filter settings.
+#[derive(Debug, Clone)]
+pub struct ScanOptions {
+    /// Output partitions (at most one per slice).
+    pub partitions: usize,
+    /// Slice requests in flight per partition.
+    pub slices_in_flight: usize,
+    /// How join filters are applied.
+    pub join_settings: JoinFilterSettings,
+}
+
 /// A partial aggregation pushed into the fragment.
 #[derive(Debug, Clone)]
 pub struct PushedAggregate {
@@ -89,10 +102,13 @@ impl SieveScanExec {
         traffic: Arc<Traffic>,
         projection: Vec<usize>,
         predicate: Option<Arc<dyn PhysicalExpr>>,
-        partitions: usize,
-        slices_in_flight: usize,
-        join_settings: JoinFilterSettings,
+        options: ScanOptions,
     ) -> Result<Self> {
+        let ScanOptions {
+            partitions,
+            slices_in_flight,
+            join_settings,
+        } = options;
         let output_no_columns = projection.is_empty();
         let shipped = if output_no_columns {
             vec![smallest_column(&table.schema)]
@@ -484,7 +500,10 @@ impl ExecutionPlan for SieveScanExec {
         let table = Arc::clone(&self.table);
         let shipped = self.shipped.clone();
         let predicate = self.predicate.clone();
-        let aggregate = self.aggregate.as_ref().map(|pushed| Arc::clone(&pushed.plan));
+        let aggregate = self
+            .aggregate
+            .as_ref()
+            .map(|pushed| Arc::clone(&pushed.plan));
         let body = async move {
             if join_filters.iter().all(|slot| slot.source.is_none()) {
                 return Ok(base_body);
@@ -510,21 +529,22 @@ impl ExecutionPlan for SieveScanExec {
                 let catalog = Arc::clone(&catalog);
                 let traffic = Arc::clone(&traffic);
                 let table_name = table_name.clone();
-                stream::iter(slices.clone()).map(move |slice| {
-                    let catalog = Arc::clone(&catalog);
-                    let traffic = Arc::clone(&traffic);
-                    let envelope = FragmentEnvelope::new(
-                        table_name.clone(),
-                        slice.summary.slice,
-                        body.as_ref().clone(),
-                    );
-                    async move {
-                        let client = &catalog.clients[slice.node];
-                        let encoded = prost::Message::encode_to_vec(&envelope);
-                        client.fetch_slice(encoded, &traffic).await
-                    }
-                })
-                .buffer_unordered(slices_in_flight)
+                stream::iter(slices.clone())
+                    .map(move |slice| {
+                        let catalog = Arc::clone(&catalog);
+                        let traffic = Arc::clone(&traffic);
+                        let envelope = FragmentEnvelope::new(
+                            table_name.clone(),
+                            slice.summary.slice,
+                            body.as_ref().clone(),
+                        );
+                        async move {
+                            let client = &catalog.clients[slice.node];
+                            let encoded = prost::Message::encode_to_vec(&envelope);
+                            client.fetch_slice(encoded, &traffic).await
+                        }
+                    })
+                    .buffer_unordered(slices_in_flight)
             })
             .try_flatten()
             .map_ok(move |result| {

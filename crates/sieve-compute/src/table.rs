@@ -24,7 +24,9 @@ use datafusion_datasource_parquet::CachedParquetFileReaderFactory;
 use sieve_fragment::check_allowed;
 
 use crate::range_store::{ClusterRangeStore, CLUSTER_RANGE_URL};
-use crate::{ClusterCatalog, ClusterTable, NdpMode, SieveConfig, SieveScanExec, Traffic};
+use crate::{
+    ClusterCatalog, ClusterTable, NdpMode, ScanOptions, SieveConfig, SieveScanExec, Traffic,
+};
 
 /// A table of the cluster, as DataFusion sees it.
 ///
@@ -208,9 +210,11 @@ impl TableProvider for SieveTable {
             Arc::clone(&self.traffic),
             needed.clone(),
             pushed,
-            state.config().target_partitions(),
-            settings.slices_in_flight,
-            settings.join_filter_settings(),
+            ScanOptions {
+                partitions: state.config().target_partitions(),
+                slices_in_flight: settings.slices_in_flight,
+                join_settings: settings.join_filter_settings(),
+            },
         )?);
         match residual {
             None => Ok(scan),

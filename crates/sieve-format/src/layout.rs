@@ -9,8 +9,8 @@ use arrow::record_batch::RecordBatch;
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::errors::{ParquetError, Result};
-use parquet::file::properties::{EnabledStatistics, WriterProperties};
 use parquet::file::metadata::KeyValue;
+use parquet::file::properties::{EnabledStatistics, WriterProperties};
 use parquet::schema::types::ColumnPath;
 
 /// Key of the Parquet key-value metadata entry holding the number of distinct

@@ -225,7 +225,10 @@ pub fn check_plan_allowed(plan: &Arc<dyn ExecutionPlan>) -> Result<()> {
         check_plan_allowed(child)?;
     }
     if plan.children().len() != 1 {
-        return plan_err!("operator {} in an NDP fragment must have one input", plan.name());
+        return plan_err!(
+            "operator {} in an NDP fragment must have one input",
+            plan.name()
+        );
     }
     Ok(())
 }

@@ -92,7 +92,10 @@ impl BloomFilterExpr {
         fpp: f64,
     ) -> Result<Self> {
         // Sbbf blocks are 32 bytes; Parquet bounds a filter at 128 MiB, we at far less.
-        if bitset.is_empty() || bitset.len() % 32 != 0 || bitset.len() > BLOOM_FILTER_BYTES_MAX {
+        if bitset.is_empty()
+            || !bitset.len().is_multiple_of(32)
+            || bitset.len() > BLOOM_FILTER_BYTES_MAX
+        {
             return plan_err!(
                 "Bloom filter bitset of {} bytes is not a whole number of 32-byte blocks up to {BLOOM_FILTER_BYTES_MAX}",
                 bitset.len()
@@ -228,10 +231,7 @@ impl PhysicalExpr for BloomFilterExpr {
         children: Vec<Arc<dyn PhysicalExpr>>,
     ) -> Result<Arc<dyn PhysicalExpr>> {
         let [input] = <[Arc<dyn PhysicalExpr>; 1]>::try_from(children).or_else(|children| {
-            internal_err!(
-                "BloomFilterExpr has one child, got {}",
-                children.len()
-            )
+            internal_err!("BloomFilterExpr has one child, got {}", children.len())
         })?;
         Ok(Arc::new(Self {
             input,

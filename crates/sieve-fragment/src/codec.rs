@@ -14,13 +14,13 @@ use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::common::{internal_err, plan_datafusion_err, plan_err, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_expr_common::physical_expr::proto_decode::PhysicalExprDecodeCtx;
+use datafusion::physical_expr_common::physical_expr::proto_encode::PhysicalExprEncodeCtx;
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
 };
 use datafusion_proto::physical_plan::{PhysicalExtensionCodec, PhysicalProtoConverterExtension};
-use datafusion::physical_expr_common::physical_expr::proto_decode::PhysicalExprDecodeCtx;
-use datafusion::physical_expr_common::physical_expr::proto_encode::PhysicalExprEncodeCtx;
 use prost::Message;
 
 use crate::BloomFilterExpr;
@@ -47,7 +47,11 @@ impl SliceInputExec {
 }
 
 impl DisplayAs for SliceInputExec {
-    fn fmt_as(&self, _format: DisplayFormatType, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+    fn fmt_as(
+        &self,
+        _format: DisplayFormatType,
+        formatter: &mut fmt::Formatter<'_>,
+    ) -> fmt::Result {
         write!(formatter, "SliceInputExec")
     }
 }

@@ -243,9 +243,9 @@ impl DecodedBody {
         let predicate = match &body.predicate {
             Some(node) => {
                 let predicate = parse_physical_expr(node, task_context, schema, &SieveCodec::new())
-                .map_err(|error| {
-                    plan_datafusion_err!("NDP fragment predicate cannot be decoded: {error}")
-                })?;
+                    .map_err(|error| {
+                        plan_datafusion_err!("NDP fragment predicate cannot be decoded: {error}")
+                    })?;
                 check_allowed(&predicate, schema)?;
                 Some(predicate)
             }

@@ -81,8 +81,9 @@ fn oversized_envelope_is_refused_before_decoding() {
 #[test]
 fn bloom_filter_survives_the_wire_and_keeps_its_answers() {
     let schema = schema();
-    let keys: arrow::array::ArrayRef =
-        Arc::new(arrow::array::Int64Array::from((0..5000).map(|k| k * 3).collect::<Vec<_>>()));
+    let keys: arrow::array::ArrayRef = Arc::new(arrow::array::Int64Array::from(
+        (0..5000).map(|k| k * 3).collect::<Vec<_>>(),
+    ));
     let column: Arc<dyn datafusion::physical_expr::PhysicalExpr> =
         Arc::new(datafusion::physical_expr::expressions::Column::new("k", 0));
     let bloom = BloomFilterExpr::try_new(column, DataType::Int64, &keys, 0.01).unwrap();
@@ -109,7 +110,11 @@ fn bloom_filter_survives_the_wire_and_keeps_its_answers() {
         ],
     )
     .unwrap();
-    let matched = predicate.evaluate(&batch).unwrap().into_array(probe.len()).unwrap();
+    let matched = predicate
+        .evaluate(&batch)
+        .unwrap()
+        .into_array(probe.len())
+        .unwrap();
     let matched = matched
         .as_any()
         .downcast_ref::<arrow::array::BooleanArray>()
@@ -119,24 +124,35 @@ fn bloom_filter_survives_the_wire_and_keeps_its_answers() {
         .iter()
         .filter(|&&value| value % 3 != 0 && matched.value(value as usize))
         .count();
-    assert!(probe.iter().all(|&v| v % 3 != 0 || matched.value(v as usize)));
-    assert!(false_positives < 300, "{false_positives} false positives of 10000");
+    assert!(probe
+        .iter()
+        .all(|&v| v % 3 != 0 || matched.value(v as usize)));
+    assert!(
+        false_positives < 300,
+        "{false_positives} false positives of 10000"
+    );
 }
 
 #[test]
 fn partial_aggregate_round_trips_and_a_final_one_is_refused() {
+    use datafusion::physical_expr::aggregate::AggregateExprBuilder;
     use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode, PhysicalGroupBy};
     use datafusion::physical_plan::ExecutionPlan;
-    use datafusion::physical_expr::aggregate::AggregateExprBuilder;
     let schema = schema();
     let input: Arc<dyn ExecutionPlan> = Arc::new(SliceInputExec::new(Arc::clone(&schema)));
     let group = PhysicalGroupBy::new_single(vec![(
-        Arc::new(datafusion::physical_expr::expressions::Column::new("name", 2)) as _,
+        Arc::new(datafusion::physical_expr::expressions::Column::new(
+            "name", 2,
+        )) as _,
         "name".to_string(),
     )]);
     let sum = AggregateExprBuilder::new(
         datafusion::functions_aggregate::sum::sum_udaf(),
-        vec![Arc::new(datafusion::physical_expr::expressions::Column::new("price", 1)) as _],
+        vec![
+            Arc::new(datafusion::physical_expr::expressions::Column::new(
+                "price", 1,
+            )) as _,
+        ],
     )
     .schema(Arc::clone(&schema))
     .alias("sum(price)")
@@ -174,5 +190,8 @@ fn partial_aggregate_round_trips_and_a_final_one_is_refused() {
     }
     .encode_body(&schema)
     .unwrap_err();
-    assert!(error.to_string().contains("only a partial aggregation"), "{error}");
+    assert!(
+        error.to_string().contains("only a partial aggregation"),
+        "{error}"
+    );
 }

@@ -19,6 +19,7 @@ use std::task::{Context, Poll};
 
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
+use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::common::{internal_datafusion_err, Result};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::execution::object_store::ObjectStoreUrl;
@@ -36,7 +37,6 @@ use datafusion_datasource_parquet::source::ParquetSource;
 use futures::Stream;
 use object_store::local::LocalFileSystem;
 use object_store::ObjectStore;
-use datafusion::common::tree_node::{Transformed, TreeNode};
 use sieve_fragment::{DecodedBody, FragmentEnvelope, SliceInputExec, SliceMetrics};
 
 use crate::cpu::thread_cpu_nanos;
