@@ -26,6 +26,8 @@ pub struct DemoOptions {
     pub queries: Vec<String>,
     /// Flight URLs of running storage nodes; empty starts the embedded cluster.
     pub cluster: Vec<String>,
+    /// Session settings (`key=value`) applied before the queries, in both modes.
+    pub settings: Vec<String>,
 }
 
 /// One query's measurements.
@@ -126,6 +128,18 @@ pub async fn run_demo(options: &DemoOptions) -> Result<Vec<QueryReport>> {
         (None, options.cluster.clone())
     };
     let session = connect_session(&urls).await?;
+    for setting in &options.settings {
+        let Some((key, value)) = setting.split_once('=') else {
+            return datafusion::common::plan_err!("--set wants key=value, got '{setting}'");
+        };
+        session
+            .context
+            .state_ref()
+            .write()
+            .config_mut()
+            .options_mut()
+            .set(key.trim(), value.trim())?;
+    }
     let mut reports = Vec::new();
     for (name, sql) in TPCH_QUERIES {
         if !options.queries.is_empty() && !options.queries.iter().any(|wanted| wanted == name) {

@@ -47,6 +47,9 @@ enum Command {
         /// the embedded cluster; the CPU columns are then the compute node's alone.
         #[arg(long, value_delimiter = ',')]
         cluster: Vec<String>,
+        /// A session setting for both modes, e.g. --set sieve.join_filters=false.
+        #[arg(long = "set")]
+        settings: Vec<String>,
     },
     /// Generate a benchmark data set as slices spread over storage-node directories.
     Gen {
@@ -130,6 +133,7 @@ async fn run(cli: Cli) -> Result<()> {
         data: PathBuf::from("sieve-data"),
         queries: vec![],
         cluster: vec![],
+        settings: vec![],
     });
     match command {
         Command::Demo {
@@ -139,6 +143,7 @@ async fn run(cli: Cli) -> Result<()> {
             data,
             queries,
             cluster,
+            settings,
         } => {
             let where_ = if cluster.is_empty() {
                 format!("{nodes} embedded storage nodes (loopback Flight); cpu = whole process")
@@ -156,6 +161,7 @@ async fn run(cli: Cli) -> Result<()> {
                 data_directory: data,
                 queries,
                 cluster,
+                settings,
             };
             let reports = run_demo(&options).await?;
             println!("TPC-H SF {sf} on {where_}, median of {runs} run(s) after a warm-up");
@@ -225,6 +231,7 @@ async fn run(cli: Cli) -> Result<()> {
                     data_directory: data,
                     queries: vec![],
                     cluster: vec![],
+                    settings: vec![],
                 };
                 let root = ensure_data(&options)?;
                 let started = EmbeddedCluster::start(&root, 3).await?;

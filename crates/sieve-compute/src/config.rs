@@ -35,7 +35,7 @@ extensions_options! {
         pub join_filter_bloom_fpp: f64, default = 0.01
         /// Longest wait for a join's build side before a probe scan goes
         /// ahead without its filter, in milliseconds.
-        pub join_filter_wait_ms: u64, default = 600000
+        pub join_filter_wait_ms: u64, default = 60000
     }
 }
 
