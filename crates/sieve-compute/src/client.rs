@@ -10,6 +10,7 @@ use arrow_flight::error::FlightError;
 use arrow_flight::flight_service_client::FlightServiceClient;
 use arrow_flight::{Criteria, FlightData, Ticket};
 use datafusion::common::{exec_datafusion_err, DataFusionError, Result};
+use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use prost::Message;
 use sieve_format::SliceSummary;
@@ -33,7 +34,21 @@ pub(crate) struct NodeTable {
     pub(crate) slices: Vec<(SliceSummary, String)>,
 }
 
-/// What one slice request returned.
+/// One piece of a streamed slice.
+#[derive(Debug)]
+pub enum SlicePart {
+    /// Rows, as the storage node produced them.
+    Batch(RecordBatch),
+    /// The slice is complete: what the node did, and the bytes it shipped.
+    Done {
+        /// The node's metrics for the slice.
+        metrics: SliceMetrics,
+        /// Bytes of Flight messages received for the slice.
+        bytes_shipped: u64,
+    },
+}
+
+/// What one slice request returned, collected.
 #[derive(Debug)]
 pub struct SliceResult {
     /// The slice's batches, after the fragment.
@@ -129,62 +144,108 @@ impl StorageClient {
     /// Run one fragment envelope against its slice and collect the result.
     /// The whole slice is collected before any of it is returned, so a
     /// failure mid-stream never leaves part of a slice counted.
-    pub async fn fetch_slice(&self, envelope: Vec<u8>, traffic: &Traffic) -> Result<SliceResult> {
-        traffic.add_slice_request();
-        let mut client = self.client.clone();
-        let response = client
-            .do_get(Ticket::new(envelope))
-            .await
-            .map_err(|status| self.status_error(status))?
-            .into_inner();
-        let trailer: Arc<Mutex<Option<SliceMetrics>>> = Arc::new(Mutex::new(None));
-        let shipped = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let (trailer_in, shipped_in) = (Arc::clone(&trailer), Arc::clone(&shipped));
-        let messages = response
-            .map_err(|status| FlightError::Tonic(Box::new(status)))
-            .try_filter_map(move |message: FlightData| {
-                let size = (message.data_header.len()
-                    + message.data_body.len()
-                    + message.app_metadata.len()) as u64;
-                shipped_in.fetch_add(size, std::sync::atomic::Ordering::Relaxed);
-                let result = if message.data_header.is_empty() && !message.app_metadata.is_empty() {
-                    match SliceMetrics::decode(message.app_metadata.as_ref()) {
-                        Ok(metrics) => {
-                            *trailer_in.lock().expect("trailer lock is never poisoned") =
-                                Some(metrics);
-                            Ok(None)
-                        }
-                        Err(error) => Err(FlightError::DecodeError(format!(
-                            "bad slice metrics: {error}"
-                        ))),
-                    }
-                } else {
-                    Ok(Some(message))
-                };
-                futures::future::ready(result)
-            });
-        let mut decoded = FlightRecordBatchStream::new_from_flight_data(messages);
+    pub async fn fetch_slice(
+        &self,
+        envelope: Vec<u8>,
+        traffic: &Arc<Traffic>,
+    ) -> Result<SliceResult> {
+        let mut parts = self.stream_slice(envelope, Arc::clone(traffic));
         let mut batches = Vec::new();
-        while let Some(batch) = decoded.next().await {
-            batches.push(batch.map_err(|error| self.flight_error(error))?);
+        while let Some(part) = parts.next().await {
+            match part? {
+                SlicePart::Batch(batch) => batches.push(batch),
+                SlicePart::Done {
+                    metrics,
+                    bytes_shipped,
+                } => {
+                    return Ok(SliceResult {
+                        batches,
+                        metrics,
+                        bytes_shipped,
+                    })
+                }
+            }
         }
-        let bytes_shipped = shipped.load(std::sync::atomic::Ordering::Relaxed);
-        traffic.add_flight_bytes(bytes_shipped);
-        let metrics = trailer
-            .lock()
-            .expect("trailer lock is never poisoned")
-            .take()
-            .ok_or_else(|| {
-                exec_datafusion_err!(
-                    "storage node {} ended a slice stream without its metrics",
-                    self.url
-                )
-            })?;
-        Ok(SliceResult {
-            batches,
-            metrics,
-            bytes_shipped,
+        Err(exec_datafusion_err!(
+            "storage node {} ended a slice stream without its metrics",
+            self.url
+        ))
+    }
+
+    /// Run one fragment envelope against its slice and stream the result as
+    /// it arrives: batches, then one [`SlicePart::Done`] with the node's
+    /// metrics. A stream that ends without `Done`, or with an error, means the
+    /// slice failed; what it yielded before is part of a failed query.
+    pub fn stream_slice(
+        &self,
+        envelope: Vec<u8>,
+        traffic: Arc<Traffic>,
+    ) -> BoxStream<'static, Result<SlicePart>> {
+        let this = self.clone();
+        futures::stream::once(async move {
+            traffic.add_slice_request();
+            let mut client = this.client.clone();
+            let response = client
+                .do_get(Ticket::new(envelope))
+                .await
+                .map_err(|status| this.status_error(status))?
+                .into_inner();
+            let trailer: Arc<Mutex<Option<SliceMetrics>>> = Arc::new(Mutex::new(None));
+            let shipped = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let (trailer_in, shipped_in) = (Arc::clone(&trailer), Arc::clone(&shipped));
+            let messages = response
+                .map_err(|status| FlightError::Tonic(Box::new(status)))
+                .try_filter_map(move |message: FlightData| {
+                    let size = (message.data_header.len()
+                        + message.data_body.len()
+                        + message.app_metadata.len()) as u64;
+                    shipped_in.fetch_add(size, std::sync::atomic::Ordering::Relaxed);
+                    let result =
+                        if message.data_header.is_empty() && !message.app_metadata.is_empty() {
+                            match SliceMetrics::decode(message.app_metadata.as_ref()) {
+                                Ok(metrics) => {
+                                    *trailer_in.lock().expect("trailer lock is never poisoned") =
+                                        Some(metrics);
+                                    Ok(None)
+                                }
+                                Err(error) => Err(FlightError::DecodeError(format!(
+                                    "bad slice metrics: {error}"
+                                ))),
+                            }
+                        } else {
+                            Ok(Some(message))
+                        };
+                    futures::future::ready(result)
+                });
+            let decoded = FlightRecordBatchStream::new_from_flight_data(messages);
+            let for_errors = this.clone();
+            let batches = decoded.map(move |batch| {
+                batch
+                    .map(SlicePart::Batch)
+                    .map_err(|error| for_errors.flight_error(error))
+            });
+            let done = futures::stream::once(async move {
+                let bytes_shipped = shipped.load(std::sync::atomic::Ordering::Relaxed);
+                traffic.add_flight_bytes(bytes_shipped);
+                let metrics = trailer
+                    .lock()
+                    .expect("trailer lock is never poisoned")
+                    .take()
+                    .ok_or_else(|| {
+                        exec_datafusion_err!(
+                            "storage node {} ended a slice stream without its metrics",
+                            this.url
+                        )
+                    })?;
+                Ok(SlicePart::Done {
+                    metrics,
+                    bytes_shipped,
+                })
+            });
+            Ok::<_, DataFusionError>(batches.chain(done))
         })
+        .try_flatten()
+        .boxed()
     }
 
     fn flight_error(&self, error: FlightError) -> DataFusionError {

@@ -33,7 +33,7 @@ mod table;
 mod traffic;
 
 pub use catalog::{ClusterCatalog, ClusterSlice, ClusterTable};
-pub use client::{SliceResult, StorageClient};
+pub use client::{SlicePart, SliceResult, StorageClient};
 pub use config::{NdpMode, SieveConfig};
 pub use join_filter::{JoinFilterSettings, JoinFilterSlot};
 pub use optimizer::{PushAggregateToStorage, WaitForJoinFilters};

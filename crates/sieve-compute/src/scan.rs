@@ -9,10 +9,10 @@
 //! ```
 //!
 //! Contract: the output is exactly the rows of the table that satisfy the
-//! pushed predicate, projected to the pushed columns. No ordering and no
-//! particular partitioning are promised (`UnknownPartitioning(P)`). A slice's
-//! batches are released only once the whole slice has arrived, so a failed
-//! request never contributes a partial slice.
+//! pushed predicate, projected to the pushed columns (or, with a pushed
+//! aggregation, its partial states). No ordering and no particular
+//! partitioning are promised (`UnknownPartitioning(P)`). Batches are passed
+//! on as they arrive; a slice that fails fails the query.
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -40,6 +40,7 @@ use datafusion::physical_plan::{
 use futures::{stream, StreamExt, TryStreamExt};
 use sieve_fragment::FragmentEnvelope;
 
+use crate::client::SlicePart;
 use crate::join_filter::{resolve, JoinFilterSettings, JoinFilterSlot};
 use crate::{ClusterCatalog, ClusterTable, Traffic};
 
@@ -524,66 +525,62 @@ impl ExecutionPlan for SieveScanExec {
         };
 
         let schema_for_batches = Arc::clone(&schema);
-        let batches = stream::once(body)
+        // Batches flow on as they arrive from up to `slices_in_flight` slices
+        // at once, so the compute node works while the storage nodes still do.
+        let parts = stream::once(body)
             .map_ok(move |body| {
                 let catalog = Arc::clone(&catalog);
                 let traffic = Arc::clone(&traffic);
                 let table_name = table_name.clone();
                 stream::iter(slices.clone())
                     .map(move |slice| {
-                        let catalog = Arc::clone(&catalog);
-                        let traffic = Arc::clone(&traffic);
                         let envelope = FragmentEnvelope::new(
                             table_name.clone(),
                             slice.summary.slice,
                             body.as_ref().clone(),
                         );
-                        async move {
-                            let client = &catalog.clients[slice.node];
-                            let encoded = prost::Message::encode_to_vec(&envelope);
-                            client.fetch_slice(encoded, &traffic).await
-                        }
+                        let encoded = prost::Message::encode_to_vec(&envelope);
+                        catalog.clients[slice.node].stream_slice(encoded, Arc::clone(&traffic))
                     })
-                    .buffer_unordered(slices_in_flight)
+                    .flatten_unordered(slices_in_flight)
             })
-            .try_flatten()
-            .map_ok(move |result| {
-                let metrics = &result.metrics;
-                bytes_shipped.add(result.bytes_shipped as usize);
-                bytes_read.add(metrics.bytes_read as usize);
-                slices_done.add(1);
-                pages_considered.add(metrics.pages_considered as usize);
-                pages_skipped_statistics.add(metrics.pages_skipped_statistics as usize);
-                pages_skipped_bloom.add(metrics.pages_skipped_bloom_filter as usize);
-                pages_skipped_page_index.add(metrics.pages_skipped_page_index as usize);
-                pages_read.add(metrics.pages_read() as usize);
-                rows_scanned.add(metrics.rows_scanned as usize);
-                rows_aggregated.add(metrics.rows_aggregated as usize);
-                storage_cpu.add_duration(Duration::from_nanos(metrics.cpu_nanos));
-                let schema = Arc::clone(&schema_for_batches);
-                let output_rows = output_rows.clone();
-                stream::iter(result.batches.into_iter().map(move |batch| {
+            .try_flatten();
+        let batches = parts.try_filter_map(move |part| {
+            let batch = match part {
+                SlicePart::Done {
+                    metrics,
+                    bytes_shipped: shipped,
+                } => {
+                    bytes_shipped.add(shipped as usize);
+                    bytes_read.add(metrics.bytes_read as usize);
+                    slices_done.add(1);
+                    pages_considered.add(metrics.pages_considered as usize);
+                    pages_skipped_statistics.add(metrics.pages_skipped_statistics as usize);
+                    pages_skipped_bloom.add(metrics.pages_skipped_bloom_filter as usize);
+                    pages_skipped_page_index.add(metrics.pages_skipped_page_index as usize);
+                    pages_read.add(metrics.pages_read() as usize);
+                    rows_scanned.add(metrics.rows_scanned as usize);
+                    rows_aggregated.add(metrics.rows_aggregated as usize);
+                    storage_cpu.add_duration(Duration::from_nanos(metrics.cpu_nanos));
+                    Ok(None)
+                }
+                SlicePart::Batch(batch) => {
                     output_rows.add(batch.num_rows());
+                    let schema = Arc::clone(&schema_for_batches);
                     if output_no_columns {
                         let options =
                             RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
-                        Ok(RecordBatch::try_new_with_options(
-                            Arc::clone(&schema),
-                            vec![],
-                            &options,
-                        )?)
+                        RecordBatch::try_new_with_options(schema, vec![], &options).map(Some)
                     } else if rewrap {
                         // Partial states: same types, names as planned here.
-                        Ok(RecordBatch::try_new(
-                            Arc::clone(&schema),
-                            batch.columns().to_vec(),
-                        )?)
+                        RecordBatch::try_new(schema, batch.columns().to_vec()).map(Some)
                     } else {
-                        Ok(batch)
+                        Ok(Some(batch))
                     }
-                }))
-            })
-            .try_flatten();
+                }
+            };
+            futures::future::ready(batch.map_err(DataFusionError::from))
+        });
         Ok(Box::pin(RecordBatchStreamAdapter::new(schema, batches)))
     }
 }
