@@ -248,6 +248,25 @@ fn summarize_case(case: &CaseExpr) -> Option<KeySummary> {
     Some(merged)
 }
 
+/// Number of integers in `[low, high]`, for integer scalars.
+fn integer_span(low: &ScalarValue, high: &ScalarValue) -> Option<u64> {
+    let as_i128 = |value: &ScalarValue| -> Option<i128> {
+        match value {
+            ScalarValue::Int8(Some(v)) => Some(i128::from(*v)),
+            ScalarValue::Int16(Some(v)) => Some(i128::from(*v)),
+            ScalarValue::Int32(Some(v)) => Some(i128::from(*v)),
+            ScalarValue::Int64(Some(v)) => Some(i128::from(*v)),
+            ScalarValue::UInt8(Some(v)) => Some(i128::from(*v)),
+            ScalarValue::UInt16(Some(v)) => Some(i128::from(*v)),
+            ScalarValue::UInt32(Some(v)) => Some(i128::from(*v)),
+            ScalarValue::UInt64(Some(v)) => Some(i128::from(*v)),
+            _ => None,
+        }
+    };
+    let span = as_i128(high)? - as_i128(low)? + 1;
+    u64::try_from(span).ok()
+}
+
 /// Distinct, non-null values of `array`.
 fn distinct(array: &ArrayRef) -> Result<ArrayRef> {
     let converter = RowConverter::new(vec![SortField::new(array.data_type().clone())])?;
@@ -298,7 +317,13 @@ fn build(
         if let Some(key) = table_column(*index) {
             let members = distinct(members)?;
             let keys = members.len();
-            if keys <= settings.list_max {
+            let dense = summary.bounds.iter().any(|(other, low, high)| {
+                other == index && integer_span(low, high) == Some(keys as u64)
+            });
+            if dense {
+                // Every integer in the range is a key: the range says it all.
+                parts.push(format!("dense ({keys} keys = the range)"));
+            } else if keys <= settings.list_max {
                 let list = (0..keys)
                     .map(|row| Ok(lit(ScalarValue::try_from_array(&members, row)?)))
                     .collect::<Result<Vec<_>>>()?;

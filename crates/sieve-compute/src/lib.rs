@@ -24,6 +24,7 @@
 mod catalog;
 mod client;
 mod config;
+mod estimate;
 mod join_filter;
 mod optimizer;
 mod range_store;

@@ -41,6 +41,7 @@ use futures::{stream, StreamExt, TryStreamExt};
 use sieve_fragment::FragmentEnvelope;
 
 use crate::client::SlicePart;
+use crate::estimate::filtered_statistics;
 use crate::join_filter::{resolve, JoinFilterSettings, JoinFilterSlot};
 use crate::{ClusterCatalog, ClusterTable, Traffic};
 
@@ -66,6 +67,8 @@ pub struct SieveScanExec {
     join_settings: JoinFilterSettings,
     /// What the join filters resolved to in the last execution, for EXPLAIN ANALYZE.
     join_filters_resolved: Arc<Mutex<Vec<String>>>,
+    /// The fragment body with join filters, resolved once for all partitions.
+    resolved_body: Arc<tokio::sync::OnceCell<std::result::Result<Arc<Vec<u8>>, String>>>,
     /// The encoded fragment body without join filters, shared by every slice request.
     body: Arc<Vec<u8>>,
     slices_in_flight: usize,
@@ -140,6 +143,7 @@ impl SieveScanExec {
             join_filters: vec![],
             join_settings,
             join_filters_resolved: Arc::new(Mutex::new(vec![])),
+            resolved_body: Arc::new(tokio::sync::OnceCell::new()),
             body,
             slices_in_flight: slices_in_flight.max(1),
             properties: properties(schema, partitions),
@@ -160,6 +164,7 @@ impl SieveScanExec {
             join_filters: self.join_filters.clone(),
             join_settings: self.join_settings.clone(),
             join_filters_resolved: Arc::new(Mutex::new(vec![])),
+            resolved_body: Arc::new(tokio::sync::OnceCell::new()),
             body: Arc::clone(&self.body),
             slices_in_flight: self.slices_in_flight,
             properties: Arc::clone(&self.properties),
@@ -439,9 +444,29 @@ impl ExecutionPlan for SieveScanExec {
         if self.aggregate.is_some() {
             return Ok(Arc::new(Statistics::new_unknown(&self.schema())));
         }
-        let mut statistics = self.table.statistics.clone();
-        if partition.is_some() || self.predicate.is_some() {
+        let mut statistics = match &self.predicate {
+            Some(predicate) => {
+                filtered_statistics(&self.table.schema, &self.table.statistics, predicate)
+                    .unwrap_or_else(|_| self.table.statistics.clone().to_inexact())
+            }
+            None => self.table.statistics.clone(),
+        };
+        if let Some(partition) = partition {
+            // Slices are dealt round robin: this partition's share of the rows.
+            let partitions = self.properties.partitioning.partition_count();
+            let share = self
+                .table
+                .slices
+                .iter()
+                .skip(partition)
+                .step_by(partitions)
+                .count();
+            let fraction = share as f64 / self.table.slices.len().max(1) as f64;
             statistics = statistics.to_inexact();
+            statistics.num_rows = statistics.num_rows.with_estimated_selectivity(fraction);
+            statistics.total_byte_size = statistics
+                .total_byte_size
+                .with_estimated_selectivity(fraction);
         }
         if self.output_no_columns {
             statistics.column_statistics.clear();
@@ -505,23 +530,36 @@ impl ExecutionPlan for SieveScanExec {
             .aggregate
             .as_ref()
             .map(|pushed| Arc::clone(&pushed.plan));
+        let resolved_body = Arc::clone(&self.resolved_body);
         let body = async move {
             if join_filters.iter().all(|slot| slot.source.is_none()) {
                 return Ok(base_body);
             }
-            let (conjuncts, descriptions) =
-                resolve(&join_filters, &join_settings, &shipped, &table.schema).await?;
-            *resolved_out.lock().expect("never poisoned") = descriptions;
-            if conjuncts.is_empty() {
-                return Ok(base_body);
-            }
-            let predicate = physical_conjunction(predicate.into_iter().chain(conjuncts));
-            let fragment = sieve_fragment::Fragment {
-                projection: shipped,
-                predicate: Some(predicate),
-                aggregate,
-            };
-            Ok::<_, DataFusionError>(Arc::new(fragment.encode_body(&table.schema)?))
+            // The first partition to get here resolves; the others wait for it.
+            let resolved = resolved_body
+                .get_or_init(|| async move {
+                    let resolve = async {
+                        let (conjuncts, descriptions) =
+                            resolve(&join_filters, &join_settings, &shipped, &table.schema).await?;
+                        *resolved_out.lock().expect("never poisoned") = descriptions;
+                        if conjuncts.is_empty() {
+                            return Ok(base_body);
+                        }
+                        let predicate =
+                            physical_conjunction(predicate.into_iter().chain(conjuncts));
+                        let fragment = sieve_fragment::Fragment {
+                            projection: shipped,
+                            predicate: Some(predicate),
+                            aggregate,
+                        };
+                        Ok::<_, DataFusionError>(Arc::new(fragment.encode_body(&table.schema)?))
+                    };
+                    resolve.await.map_err(|error| error.strip_backtrace())
+                })
+                .await;
+            resolved
+                .clone()
+                .map_err(|error| DataFusionError::Execution(format!("join filter: {error}")))
         };
 
         let schema_for_batches = Arc::clone(&schema);
