@@ -5,6 +5,7 @@
 #
 #   scripts/tpch-loopback.sh [SF] [RUNS] [extra `sieve demo` arguments...]
 #
+# SIEVE_IPC_COMPRESSION=zstd|lz4|none picks the storage nodes' IPC codec.
 # Builds the release binary, generates the data into sieve-data/tpch-sfSF if
 # missing, and stops the storage nodes on exit (also on Ctrl-C or failure).
 set -euo pipefail
@@ -28,7 +29,8 @@ trap cleanup EXIT INT TERM
 urls=()
 for node in 0 1 2; do
   "$SIEVE" storage --data "$DATA/node-$node" \
-    --listen "127.0.0.1:$((50151 + node))" --range-listen "127.0.0.1:$((50161 + node))" &
+    --listen "127.0.0.1:$((50151 + node))" --range-listen "127.0.0.1:$((50161 + node))" \
+    --ipc-compression "${SIEVE_IPC_COMPRESSION:-zstd}" &
   pids+=($!)
   urls+=("http://127.0.0.1:$((50151 + node))")
 done

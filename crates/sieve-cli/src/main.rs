@@ -82,6 +82,9 @@ enum Command {
         /// Byte-range HTTP address.
         #[arg(long, default_value = "127.0.0.1:50061")]
         range_listen: SocketAddr,
+        /// Codec of shipped Arrow IPC buffers: zstd (fewest bytes), lz4, none (least CPU).
+        #[arg(long, default_value = "zstd")]
+        ipc_compression: String,
     },
     /// SQL against a cluster: an interactive shell, or -c / -f.
     Sql {
@@ -197,12 +200,26 @@ async fn run(cli: Cli) -> Result<()> {
             data,
             listen,
             range_listen,
+            ipc_compression,
         } => {
+            let ipc_compression = match ipc_compression.as_str() {
+                "zstd" => Some(arrow::ipc::CompressionType::ZSTD),
+                "lz4" => Some(arrow::ipc::CompressionType::LZ4_FRAME),
+                "none" => None,
+                other => {
+                    return datafusion::common::plan_err!(
+                        "--ipc-compression must be zstd, lz4 or none, not '{other}'"
+                    )
+                }
+            };
             let node = StorageNode::start(StorageNodeConfig {
                 data_directory: data.clone(),
                 flight_address: listen,
                 range_address: range_listen,
-                execute: ExecuteOptions::default(),
+                execute: ExecuteOptions {
+                    ipc_compression,
+                    ..ExecuteOptions::default()
+                },
             })
             .await?;
             println!(

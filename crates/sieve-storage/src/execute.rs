@@ -54,6 +54,9 @@ pub struct ExecuteOptions {
     /// Upper bound on cached decoded fragments; the cache is emptied when full.
     /// A fragment is a few kilobytes, so 1024 entries stay under a few megabytes.
     pub fragment_cache_entries_max: usize,
+    /// Codec of the shipped Arrow IPC buffers: zstd ships least (below the
+    /// stored Parquet), LZ4 costs less CPU, none least CPU of all.
+    pub ipc_compression: Option<arrow::ipc::CompressionType>,
 }
 
 impl Default for ExecuteOptions {
@@ -62,6 +65,7 @@ impl Default for ExecuteOptions {
             pushdown_filters: false,
             batch_rows: 8192,
             fragment_cache_entries_max: 1024,
+            ipc_compression: Some(arrow::ipc::CompressionType::ZSTD),
         }
     }
 }
@@ -89,6 +93,11 @@ impl SliceExecutor {
             cache: Mutex::new(HashMap::new()),
             fragments_decoded: AtomicU64::new(0),
         }
+    }
+
+    /// The executor's settings.
+    pub fn options(&self) -> &ExecuteOptions {
+        &self.options
     }
 
     /// The catalog this executor serves.

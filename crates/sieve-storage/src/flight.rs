@@ -18,7 +18,6 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
 use arrow::ipc::writer::IpcWriteOptions;
-use arrow::ipc::CompressionType;
 use arrow_flight::encode::FlightDataEncoderBuilder;
 use arrow_flight::error::FlightError;
 use arrow_flight::flight_service_server::FlightService;
@@ -212,7 +211,7 @@ impl FlightService for StorageFlightService {
                 )))),
             });
         let options = IpcWriteOptions::default()
-            .try_with_compression(Some(CompressionType::ZSTD))
+            .try_with_compression(self.executor.options().ipc_compression)
             .map_err(|error| Status::internal(error.to_string()))?;
         let encoded = FlightDataEncoderBuilder::new()
             .with_schema(schema)
