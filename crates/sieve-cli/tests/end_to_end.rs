@@ -20,11 +20,14 @@ const SCALE_FACTOR: f64 = 0.01;
 /// place; the loser discards its copy.
 fn test_data() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "tpch-sf0.01-slices5000-v{}",
+        "tpch-sf0.01-slices5000-rg1024-v{}",
         sieve_format::FORMAT_VERSION
     ));
+    // Row groups of 1024 rows: tables of fewer slices than twice the
+    // partitions are read in row-group ranges, which the tests then cover.
     let layout = SliceLayout {
         slice_rows_max: 5000,
+        row_group_rows_max: 1024,
         ..SliceLayout::default()
     };
     generated_tpch(&root, SCALE_FACTOR, NODES, &layout).expect("generate TPC-H")

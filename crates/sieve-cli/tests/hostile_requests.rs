@@ -263,3 +263,29 @@ async fn slice_outside_the_catalog_is_refused() {
     assert!(status.message().contains("another schema"), "{status:?}");
     assert_still_serving(&mut fixture).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_group_outside_the_slice_is_refused() {
+    let mut fixture = fixture().await;
+    let body = Fragment {
+        projection: vec![0],
+        predicate: None,
+        aggregate: None,
+    }
+    .encode_body(&fixture.schema)
+    .unwrap();
+    let ticket = FragmentEnvelope::new("region", 1, body)
+        .with_row_groups(vec![0, 4_000_000_000])
+        .encode_to_vec();
+    let status = status_of(&mut fixture.client, ticket)
+        .await
+        .expect("refused");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("row group 4000000000 of slice 1 of region does not exist"),
+        "{status:?}"
+    );
+    assert_still_serving(&mut fixture).await;
+}

@@ -43,7 +43,7 @@ use sieve_fragment::FragmentEnvelope;
 use crate::client::SlicePart;
 use crate::estimate::filtered_statistics;
 use crate::join_filter::{resolve, JoinFilterSettings, JoinFilterSlot};
-use crate::{ClusterCatalog, ClusterTable, Traffic};
+use crate::{ClusterCatalog, ClusterSlice, ClusterTable, Traffic};
 
 /// A scan whose filter and projection run on the storage nodes.
 #[derive(Debug)]
@@ -67,6 +67,9 @@ pub struct SieveScanExec {
     join_settings: JoinFilterSettings,
     /// What the join filters resolved to in the last execution, for EXPLAIN ANALYZE.
     join_filters_resolved: Arc<Mutex<Vec<String>>>,
+    /// The requests of a scan (slices, or row-group ranges of large slices),
+    /// dealt round robin to the partitions.
+    units: Arc<Vec<WorkUnit>>,
     /// The fragment body with join filters, resolved once for all partitions.
     resolved_body: Arc<tokio::sync::OnceCell<std::result::Result<Arc<Vec<u8>>, String>>>,
     /// The encoded fragment body without join filters, shared by every slice request.
@@ -130,7 +133,8 @@ impl SieveScanExec {
         } else {
             Arc::new(table.schema.project(&shipped)?)
         };
-        let partitions = partitions.clamp(1, table.slices.len().max(1));
+        let units = Arc::new(work_units(&table, partitions));
+        let partitions = partitions.clamp(1, units.len().max(1));
         Ok(Self {
             table,
             catalog,
@@ -144,6 +148,7 @@ impl SieveScanExec {
             join_settings,
             join_filters_resolved: Arc::new(Mutex::new(vec![])),
             resolved_body: Arc::new(tokio::sync::OnceCell::new()),
+            units,
             body,
             slices_in_flight: slices_in_flight.max(1),
             properties: properties(schema, partitions),
@@ -165,6 +170,7 @@ impl SieveScanExec {
             join_settings: self.join_settings.clone(),
             join_filters_resolved: Arc::new(Mutex::new(vec![])),
             resolved_body: Arc::new(tokio::sync::OnceCell::new()),
+            units: Arc::clone(&self.units),
             body: Arc::clone(&self.body),
             slices_in_flight: self.slices_in_flight,
             properties: Arc::clone(&self.properties),
@@ -269,6 +275,42 @@ impl SieveScanExec {
             .map(|&index| self.table.schema.field(index).name().clone())
             .collect()
     }
+}
+
+/// One slice request: a slice, or some of its row groups.
+#[derive(Debug, Clone)]
+struct WorkUnit {
+    slice: ClusterSlice,
+    /// Row groups to process; empty means all.
+    row_groups: Vec<u32>,
+}
+
+/// Requests for a scan over `partitions` partitions: one per slice, and
+/// slices split by row groups when there are fewer than two per partition,
+/// so that a table of one large slice still keeps every core busy.
+fn work_units(table: &ClusterTable, partitions: usize) -> Vec<WorkUnit> {
+    let target = partitions.max(1) * 2;
+    let per_slice = target.div_ceil(table.slices.len().max(1));
+    let mut units = Vec::new();
+    for slice in &table.slices {
+        let groups = slice.summary.row_groups as usize;
+        let pieces = per_slice.min(groups).max(1);
+        if pieces == 1 {
+            units.push(WorkUnit {
+                slice: slice.clone(),
+                row_groups: vec![],
+            });
+            continue;
+        }
+        for piece in 0..pieces {
+            let (start, end) = (piece * groups / pieces, (piece + 1) * groups / pieces);
+            units.push(WorkUnit {
+                slice: slice.clone(),
+                row_groups: (start as u32..end as u32).collect(),
+            });
+        }
+    }
+    units
 }
 
 fn properties(schema: SchemaRef, partitions: usize) -> Arc<PlanProperties> {
@@ -455,13 +497,12 @@ impl ExecutionPlan for SieveScanExec {
             // Slices are dealt round robin: this partition's share of the rows.
             let partitions = self.properties.partitioning.partition_count();
             let share = self
-                .table
-                .slices
+                .units
                 .iter()
                 .skip(partition)
                 .step_by(partitions)
                 .count();
-            let fraction = share as f64 / self.table.slices.len().max(1) as f64;
+            let fraction = share as f64 / self.units.len().max(1) as f64;
             statistics = statistics.to_inexact();
             statistics.num_rows = statistics.num_rows.with_estimated_selectivity(fraction);
             statistics.total_byte_size = statistics
@@ -501,9 +542,8 @@ impl ExecutionPlan for SieveScanExec {
         let storage_cpu = builder().subset_time("storage_cpu_time", partition);
 
         let rows_aggregated = builder().counter("storage_rows_aggregated", partition);
-        let slices: Vec<_> = self
-            .table
-            .slices
+        let units: Vec<WorkUnit> = self
+            .units
             .iter()
             .skip(partition)
             .step_by(partitions)
@@ -570,15 +610,16 @@ impl ExecutionPlan for SieveScanExec {
                 let catalog = Arc::clone(&catalog);
                 let traffic = Arc::clone(&traffic);
                 let table_name = table_name.clone();
-                stream::iter(slices.clone())
-                    .map(move |slice| {
+                stream::iter(units.clone())
+                    .map(move |unit| {
                         let envelope = FragmentEnvelope::new(
                             table_name.clone(),
-                            slice.summary.slice,
+                            unit.slice.summary.slice,
                             body.as_ref().clone(),
-                        );
+                        )
+                        .with_row_groups(unit.row_groups);
                         let encoded = prost::Message::encode_to_vec(&envelope);
-                        catalog.clients[slice.node].stream_slice(encoded, Arc::clone(&traffic))
+                        catalog.clients[unit.slice.node].stream_slice(encoded, Arc::clone(&traffic))
                     })
                     .flatten_unordered(slices_in_flight)
             })

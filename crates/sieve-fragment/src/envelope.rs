@@ -41,6 +41,10 @@ pub struct FragmentEnvelope {
     /// An encoded [`FragmentBody`]; identical for all slices of one scan.
     #[prost(bytes = "vec", tag = "4")]
     pub body: Vec<u8>,
+    /// Row groups of the slice to process (all if empty): a large slice can
+    /// be split over several requests, processed in parallel.
+    #[prost(uint32, repeated, tag = "5")]
+    pub row_groups: Vec<u32>,
 }
 
 /// What to do with the slice. Join filters travel inside `predicate` (as
@@ -190,7 +194,14 @@ impl FragmentEnvelope {
             table: table.into(),
             slice,
             body,
+            row_groups: vec![],
         }
+    }
+
+    /// This envelope restricted to `row_groups` of the slice.
+    pub fn with_row_groups(mut self, row_groups: Vec<u32>) -> Self {
+        self.row_groups = row_groups;
+        self
     }
 
     /// Decode an envelope received over the network, refusing oversized

@@ -59,26 +59,36 @@ impl MatchHints {
     }
 
     /// Compute match hints for `slice`, reading `columns` (indices into the
-    /// table schema, which for flat tables are also Parquet leaf indices).
-    /// Blocking: reads Bloom filters from disk.
+    /// table schema, which for flat tables are also Parquet leaf indices),
+    /// within the row groups `wanted` (all if `None`; indices already
+    /// checked). Blocking: reads Bloom filters from disk.
     pub fn compute(
         slice: &CatalogSlice,
         schema: &SchemaRef,
         columns: &[usize],
         predicate: Option<&Arc<dyn PhysicalExpr>>,
+        wanted: Option<&[usize]>,
     ) -> Result<Self> {
         let metadata = &slice.metadata;
         let row_groups = metadata.row_groups();
+        let is_wanted = |group: usize| wanted.is_none_or(|wanted| wanted.contains(&group));
         let pages_per_group: Vec<u64> = (0..row_groups.len())
             .map(|group| {
+                if !is_wanted(group) {
+                    return 0;
+                }
                 columns
                     .iter()
                     .map(|&column| column_pages(metadata, group, column))
                     .sum()
             })
             .collect();
+        let mut initial = ParquetAccessPlan::new_all(row_groups.len());
+        for group in (0..row_groups.len()).filter(|&group| !is_wanted(group)) {
+            initial.skip(group);
+        }
         let mut hints = Self {
-            access_plan: ParquetAccessPlan::new_all(row_groups.len()),
+            access_plan: initial.clone(),
             pages_considered: pages_per_group.iter().sum(),
             pages_skipped_statistics: 0,
             pages_skipped_bloom_filter: 0,
@@ -99,8 +109,7 @@ impl MatchHints {
                 .with_file_schema(Arc::clone(schema))
                 .try_build(Arc::clone(predicate))
             {
-                let mut filter =
-                    RowGroupAccessPlanFilter::new(ParquetAccessPlan::new_all(row_groups.len()));
+                let mut filter = RowGroupAccessPlanFilter::new(initial);
                 filter.prune_by_statistics(schema, parquet_schema, row_groups, &pruning, &metrics);
                 let after_statistics = filter.build();
                 hints.pages_skipped_statistics = skipped_pages(&after_statistics, &pages_per_group);

@@ -20,7 +20,7 @@ use std::task::{Context, Poll};
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
 use datafusion::common::tree_node::{Transformed, TreeNode};
-use datafusion::common::{internal_datafusion_err, Result};
+use datafusion::common::{internal_datafusion_err, plan_err, Result};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::execution::object_store::ObjectStoreUrl;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
@@ -126,6 +126,21 @@ impl SliceExecutor {
         needed.sort_unstable();
         needed.dedup();
 
+        let row_group_count = slice.metadata.num_row_groups();
+        let mut wanted: Vec<usize> = envelope
+            .row_groups
+            .iter()
+            .map(|&group| group as usize)
+            .collect();
+        wanted.sort_unstable();
+        wanted.dedup();
+        if let Some(bad) = wanted.iter().find(|&&group| group >= row_group_count) {
+            return plan_err!(
+                "row group {bad} of slice {} of {} does not exist (the slice has {row_group_count})",
+                envelope.slice,
+                envelope.table
+            );
+        }
         let hints = {
             let (slice, schema, needed, predicate) = (
                 Arc::clone(&slice),
@@ -133,8 +148,15 @@ impl SliceExecutor {
                 needed.clone(),
                 body.predicate.clone(),
             );
+            let wanted = (!wanted.is_empty()).then_some(wanted);
             tokio::task::spawn_blocking(move || {
-                MatchHints::compute(&slice, &schema, &needed, predicate.as_ref())
+                MatchHints::compute(
+                    &slice,
+                    &schema,
+                    &needed,
+                    predicate.as_ref(),
+                    wanted.as_deref(),
+                )
             })
             .await
             .map_err(|error| internal_datafusion_err!("coarse stage task failed: {error}"))??
