@@ -167,7 +167,8 @@ async fn run(cli: Cli) -> Result<()> {
                 settings,
             };
             let reports = run_demo(&options).await?;
-            println!("TPC-H SF {sf} on {where_}, median of {runs} run(s) after a warm-up");
+            let warmup = if runs > 1 { " after a warm-up" } else { "" };
+            println!("TPC-H SF {sf} on {where_}, median of {runs} run(s){warmup}");
             println!("{}", format_table(&reports));
             Ok(())
         }
