@@ -85,6 +85,10 @@ enum Command {
         /// Codec of shipped Arrow IPC buffers: zstd (fewest bytes), lz4, none (least CPU).
         #[arg(long, default_value = "zstd")]
         ipc_compression: String,
+        /// Evaluate the fragment's filter inside the Parquet decoder, decoding
+        /// the other columns only for rows that pass (late materialisation).
+        #[arg(long)]
+        late_materialization: bool,
     },
     /// SQL against a cluster: an interactive shell, or -c / -f.
     Sql {
@@ -202,6 +206,7 @@ async fn run(cli: Cli) -> Result<()> {
             listen,
             range_listen,
             ipc_compression,
+            late_materialization,
         } => {
             let ipc_compression = match ipc_compression.as_str() {
                 "zstd" => Some(arrow::ipc::CompressionType::ZSTD),
@@ -219,6 +224,7 @@ async fn run(cli: Cli) -> Result<()> {
                 range_address: range_listen,
                 execute: ExecuteOptions {
                     ipc_compression,
+                    pushdown_filters: late_materialization,
                     ..ExecuteOptions::default()
                 },
             })
