@@ -99,35 +99,21 @@ async fn storage_node_skips_pages_for_a_selective_range_on_a_sorted_column() {
     let (_root, cluster, session) = start().await;
     let sql = "select l_orderkey, l_partkey, l_quantity from lineitem where l_orderkey < 100";
     session.set_ndp(true).unwrap();
-    let plan = session
-        .context
-        .sql(sql)
-        .await
-        .unwrap()
-        .create_physical_plan()
-        .await
-        .unwrap();
-    let batches = collect(Arc::clone(&plan), session.context.task_ctx())
-        .await
-        .unwrap();
-    let mut scans = Vec::new();
-    find_scans(&plan, &mut scans);
-    assert_eq!(scans.len(), 1, "one Sieve scan in {plan:?}");
-    let considered = metric(&scans[0], "pages_considered");
-    let read = metric(&scans[0], "pages_read");
+    let names = ["pages_considered", "pages_read", "bytes_shipped", "slices"];
+    let (metrics, rows) = scan_metrics(&session, sql, "lineitem", &names).await;
+    let [considered, read, shipped, slices] = metrics[..] else {
+        unreachable!("four metrics asked")
+    };
     assert!(considered > 20, "lineitem spans many pages ({considered})");
     assert!(
         read * 10 < considered,
         "read {read} of {considered} pages: not under 10%"
     );
-    assert!(metric(&scans[0], "bytes_shipped") > 0);
+    assert!(shipped > 0);
 
     session.set_ndp(false).unwrap();
     let off = run(&session.context, sql).await.unwrap();
-    assert_eq!(
-        rows_as_text(&batches, true).unwrap(),
-        rows_as_text(&off, true).unwrap()
-    );
+    assert_eq!(rows, rows_as_text(&off, true).unwrap());
     assert!(!off.is_empty());
 
     // The fragment is decoded once per node, not once per slice.
@@ -136,7 +122,6 @@ async fn storage_node_skips_pages_for_a_selective_range_on_a_sorted_column() {
         .iter()
         .map(|node| node.executor().fragments_decoded())
         .sum();
-    let slices = metric(&scans[0], "slices");
     assert!(
         slices > NODES,
         "lineitem has more slices ({slices}) than nodes"

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use arrow::datatypes::{DataType, SchemaRef};
 use datafusion::common::tree_node::TreeNodeRecursion;
-use datafusion::common::{internal_err, plan_datafusion_err, plan_err, Result};
+use datafusion::common::{internal_err, plan_datafusion_err, plan_err, Result, Statistics};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use datafusion::physical_expr_common::physical_expr::proto_decode::PhysicalExprDecodeCtx;
@@ -27,9 +27,12 @@ use crate::BloomFilterExpr;
 
 /// Stands for the slice's rows after the fragment's filter and projection.
 /// Never executed: the storage node replaces it before running the plan.
+/// With statistics, it also lets a compute node ask DataFusion's operators
+/// for estimates over rows it does not have.
 #[derive(Debug)]
 pub struct SliceInputExec {
     properties: Arc<PlanProperties>,
+    statistics: Option<Statistics>,
 }
 
 impl SliceInputExec {
@@ -42,7 +45,14 @@ impl SliceInputExec {
                 EmissionType::Incremental,
                 Boundedness::Bounded,
             )),
+            statistics: None,
         }
+    }
+
+    /// The placeholder, reporting `statistics` for its rows.
+    pub fn with_statistics(mut self, statistics: Statistics) -> Self {
+        self.statistics = Some(statistics);
+        self
     }
 }
 
@@ -84,6 +94,13 @@ impl ExecutionPlan for SliceInputExec {
             return internal_err!("SliceInputExec has no children");
         }
         Ok(self)
+    }
+
+    fn partition_statistics(&self, _partition: Option<usize>) -> Result<Arc<Statistics>> {
+        Ok(Arc::new(match &self.statistics {
+            Some(statistics) => statistics.clone(),
+            None => Statistics::new_unknown(&self.schema()),
+        }))
     }
 
     fn execute(
