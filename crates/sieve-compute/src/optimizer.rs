@@ -9,11 +9,14 @@
 //!   states unchanged.
 //! - [`WaitForJoinFilters`]: a scan holding a hash join's dynamic filter is
 //!   told which join it comes from; it then waits for the join's build side
-//!   before sending requests, instead of racing it.
+//!   before sending requests, instead of racing it. A filter whose build side
+//!   is estimated to hold about every value the probe key can take is dropped
+//!   instead, so the join does not spend time building it.
 
 use std::sync::Arc;
 
 use datafusion::common::config::ConfigOptions;
+use datafusion::common::stats::Precision;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::Result;
 use datafusion::physical_expr::expressions::Column;
@@ -27,6 +30,7 @@ use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::HashJoinExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
 use datafusion::physical_plan::{ExecutionPlan, Partitioning};
 use sieve_fragment::{check_plan_allowed, SliceInputExec};
 
@@ -275,8 +279,12 @@ fn push_aggregate(
     }
 }
 
+/// A join filter whose build side has at least this share of the probe key's
+/// possible distinct values is dropped at planning.
+const UNSELECTIVE_BUILD_RATIO: f64 = 0.9;
+
 /// Tells scans which hash join each of their dynamic filters comes from, so
-/// they wait for it (see the module docs).
+/// they wait for it, and drops those that cannot filter (see the module docs).
 #[derive(Debug, Default)]
 pub struct WaitForJoinFilters;
 
@@ -302,12 +310,34 @@ impl PhysicalOptimizerRule for WaitForJoinFilters {
         plan: Arc<dyn ExecutionPlan>,
         _config: &ConfigOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        let mut sources: Vec<(u64, String)> = Vec::new();
+        // (filter id, build side name, estimated build rows)
+        let mut sources: Vec<(u64, String, Option<usize>)> = Vec::new();
         plan.apply(|node| {
             if let Some(join) = node.downcast_ref::<HashJoinExec>() {
+                // Only an exact count (estimates through filters and joins are
+                // too rough to give a useful filter up on), and only if no scan
+                // of the build side is itself cut by a join filter at run time.
+                let mut build_filtered = false;
+                join.left().apply(|inner| {
+                    if inner
+                        .downcast_ref::<SieveScanExec>()
+                        .is_some_and(SieveScanExec::has_join_filters)
+                    {
+                        build_filtered = true;
+                        return Ok(TreeNodeRecursion::Stop);
+                    }
+                    Ok(TreeNodeRecursion::Continue)
+                })?;
+                let build_rows = StatisticsContext::new()
+                    .compute(join.left().as_ref(), &StatisticsArgs::new())
+                    .ok()
+                    .and_then(|statistics| match statistics.num_rows {
+                        Precision::Exact(rows) if !build_filtered => Some(rows),
+                        _ => None,
+                    });
                 for filter in join.dynamic_expressions_produced() {
                     if let Some(id) = filter.expression_id() {
-                        sources.push((id, build_side_name(join.left())));
+                        sources.push((id, build_side_name(join.left()), build_rows));
                     }
                 }
             }
@@ -321,11 +351,28 @@ impl PhysicalOptimizerRule for WaitForJoinFilters {
                 return Ok(Transformed::no(node));
             };
             let mut updated: Option<SieveScanExec> = None;
-            for (id, source) in &sources {
+            for (id, source, build_rows) in &sources {
                 let current = updated.as_ref().unwrap_or(scan);
-                if current.holds_expression_id(*id) {
-                    updated = Some(current.with_join_filter_source(*id, source));
+                if !current.holds_expression_id(*id) {
+                    continue;
                 }
+                // A build side with about as many keys as the probe key can
+                // take filters nothing, yet building its key list costs the
+                // join: drop the filter, so the join does not compute it.
+                let bound = current.join_key_distinct_bound(*id);
+                if let (Some(rows), Some(bound)) = (build_rows, bound) {
+                    if (*rows as f64) >= UNSELECTIVE_BUILD_RATIO * bound as f64 {
+                        updated = Some(current.without_join_filter(
+                            *id,
+                            format!(
+                                "join filter from {source} dropped: {rows} build rows \
+                                 for at most {bound} distinct probe keys"
+                            ),
+                        ));
+                        continue;
+                    }
+                }
+                updated = Some(current.with_join_filter_source(*id, source));
             }
             Ok(match updated {
                 Some(updated) => Transformed::yes(Arc::new(updated) as Arc<dyn ExecutionPlan>),

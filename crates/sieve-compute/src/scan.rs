@@ -22,7 +22,7 @@ use arrow::datatypes::{Schema, SchemaRef};
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
-use datafusion::common::{internal_err, DataFusionError, Result, Statistics};
+use datafusion::common::{internal_err, DataFusionError, Result, ScalarValue, Statistics};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::expressions::DynamicFilterPhysicalExpr;
 use datafusion::physical_expr::{
@@ -62,6 +62,8 @@ pub struct SieveScanExec {
     aggregate: Option<PushedAggregate>,
     /// Why an aggregation above this scan was not pushed, for EXPLAIN.
     aggregate_note: Option<String>,
+    /// Join filters dropped at planning because they could not filter, for EXPLAIN.
+    join_notes: Vec<String>,
     /// Dynamic filters from joins above, applied on the storage nodes.
     join_filters: Vec<JoinFilterSlot>,
     join_settings: JoinFilterSettings,
@@ -144,6 +146,7 @@ impl SieveScanExec {
             predicate,
             aggregate: None,
             aggregate_note: None,
+            join_notes: vec![],
             join_filters: vec![],
             join_settings,
             join_filters_resolved: Arc::new(Mutex::new(vec![])),
@@ -166,6 +169,7 @@ impl SieveScanExec {
             predicate: self.predicate.clone(),
             aggregate: self.aggregate.clone(),
             aggregate_note: self.aggregate_note.clone(),
+            join_notes: self.join_notes.clone(),
             join_filters: self.join_filters.clone(),
             join_settings: self.join_settings.clone(),
             join_filters_resolved: Arc::new(Mutex::new(vec![])),
@@ -220,6 +224,79 @@ impl SieveScanExec {
             join_filters,
             ..self.copy()
         }
+    }
+
+    /// This scan without the dynamic filter `expression_id`, and a note for
+    /// EXPLAIN saying why. The join then has no consumer for its filter and
+    /// does not compute it.
+    pub fn without_join_filter(&self, expression_id: u64, note: String) -> Self {
+        let join_filters = self
+            .join_filters
+            .iter()
+            .filter(|slot| !contains_expression_id(&slot.filter, expression_id))
+            .cloned()
+            .collect();
+        let mut join_notes = self.join_notes.clone();
+        join_notes.push(note);
+        Self {
+            join_filters,
+            join_notes,
+            ..self.copy()
+        }
+    }
+
+    /// An upper bound on the distinct values the probe key of the dynamic
+    /// filter `expression_id` takes in this table, from the slices' distinct
+    /// counts and, for integers, the key's range. `None` if unknown or if the
+    /// join has several keys.
+    pub fn join_key_distinct_bound(&self, expression_id: u64) -> Option<u64> {
+        let slot = self
+            .join_filters
+            .iter()
+            .find(|slot| contains_expression_id(&slot.filter, expression_id))?;
+        let mut keys = Vec::new();
+        let _ = slot.filter.apply(|node| {
+            if node.downcast_ref::<DynamicFilterPhysicalExpr>().is_some() {
+                keys.extend(node.children().into_iter().cloned());
+                return Ok(TreeNodeRecursion::Stop);
+            }
+            Ok(TreeNodeRecursion::Continue)
+        });
+        let [key] = &keys[..] else {
+            return None;
+        };
+        let index = key
+            .downcast_ref::<datafusion::physical_expr::expressions::Column>()?
+            .index();
+        let column = *self.shipped.get(index)?;
+        let summed: Option<u64> = self
+            .table
+            .slices
+            .iter()
+            .map(|slice| slice.summary.columns.get(column)?.distinct_count)
+            .sum();
+        let statistics = self.table.statistics.column_statistics.get(column)?;
+        let span = match (
+            statistics.min_value.get_value(),
+            statistics.max_value.get_value(),
+        ) {
+            (Some(ScalarValue::Int64(Some(low))), Some(ScalarValue::Int64(Some(high)))) => {
+                u64::try_from(i128::from(*high) - i128::from(*low) + 1).ok()
+            }
+            (Some(ScalarValue::Int32(Some(low))), Some(ScalarValue::Int32(Some(high)))) => {
+                u64::try_from(i64::from(*high) - i64::from(*low) + 1).ok()
+            }
+            _ => None,
+        };
+        match (summed, span) {
+            (Some(summed), Some(span)) => Some(summed.min(span)),
+            (bound, None) | (None, bound) => bound,
+        }
+    }
+
+    /// Whether the scan holds any dynamic filter from above.
+    pub fn has_join_filters(&self) -> bool {
+        !self.join_filters.is_empty()
     }
 
     /// Whether any held dynamic filter has `expression_id`.
@@ -380,6 +457,9 @@ impl DisplayAs for SieveScanExec {
         }
         if let Some(note) = &self.aggregate_note {
             write!(formatter, ", aggregate not pushed: {note}")?;
+        }
+        for note in &self.join_notes {
+            write!(formatter, ", {note}")?;
         }
         let resolved = self
             .join_filters_resolved
