@@ -30,6 +30,17 @@ fn test_data() -> PathBuf {
     generated_tpch(&root, 0.01, 1, &layout).expect("generate TPC-H")
 }
 
+/// A valid body: ship the first column of `schema`, no filter.
+fn first_column(schema: &arrow::datatypes::Schema) -> Vec<u8> {
+    Fragment {
+        projection: vec![0],
+        predicate: None,
+        aggregate: None,
+    }
+    .encode_body(schema)
+    .unwrap()
+}
+
 struct Fixture {
     _cluster: EmbeddedCluster,
     client: FlightServiceClient<tonic::transport::Channel>,
@@ -193,13 +204,7 @@ async fn fragment_with_a_disallowed_function_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_table_is_refused() {
     let mut fixture = fixture().await;
-    let body = Fragment {
-        projection: vec![0],
-        predicate: None,
-        aggregate: None,
-    }
-    .encode_body(&fixture.schema)
-    .unwrap();
+    let body = first_column(&fixture.schema);
     let status = status_of(
         &mut fixture.client,
         FragmentEnvelope::new("../../etc/passwd", 1, body).encode_to_vec(),
@@ -219,13 +224,7 @@ async fn unknown_table_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slice_outside_the_catalog_is_refused() {
     let mut fixture = fixture().await;
-    let body = Fragment {
-        projection: vec![0],
-        predicate: None,
-        aggregate: None,
-    }
-    .encode_body(&fixture.schema)
-    .unwrap();
+    let body = first_column(&fixture.schema);
     let status = status_of(
         &mut fixture.client,
         FragmentEnvelope::new("region", 4242, body).encode_to_vec(),
@@ -246,13 +245,7 @@ async fn slice_outside_the_catalog_is_refused() {
         arrow::datatypes::DataType::Int64,
         false,
     )]);
-    let body = Fragment {
-        projection: vec![0],
-        predicate: None,
-        aggregate: None,
-    }
-    .encode_body(&other)
-    .unwrap();
+    let body = first_column(&other);
     let status = status_of(
         &mut fixture.client,
         FragmentEnvelope::new("region", 1, body).encode_to_vec(),
@@ -267,13 +260,7 @@ async fn slice_outside_the_catalog_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn row_group_outside_the_slice_is_refused() {
     let mut fixture = fixture().await;
-    let body = Fragment {
-        projection: vec![0],
-        predicate: None,
-        aggregate: None,
-    }
-    .encode_body(&fixture.schema)
-    .unwrap();
+    let body = first_column(&fixture.schema);
     let ticket = FragmentEnvelope::new("region", 1, body)
         .with_row_groups(vec![0, 4_000_000_000])
         .encode_to_vec();

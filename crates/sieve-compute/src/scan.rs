@@ -57,6 +57,9 @@ pub struct SieveScanExec {
     /// still ships one column so row counts survive, and it is dropped here.
     output_no_columns: bool,
     predicate: Option<Arc<dyn PhysicalExpr>>,
+    /// Table statistics with the pushed predicate's selectivity applied,
+    /// computed once (the optimizer asks for statistics many times).
+    filtered_statistics: Arc<Statistics>,
     /// A partial aggregation run on the storage nodes, over the shipped
     /// columns (leaf `SliceInputExec`); the scan then outputs partial states.
     aggregate: Option<PushedAggregate>,
@@ -135,6 +138,11 @@ impl SieveScanExec {
         } else {
             Arc::new(table.schema.project(&shipped)?)
         };
+        let filtered = match &predicate {
+            Some(predicate) => filtered_statistics(&table.schema, &table.statistics, predicate)
+                .unwrap_or_else(|_| table.statistics.clone().to_inexact()),
+            None => table.statistics.clone(),
+        };
         let units = Arc::new(work_units(&table, partitions));
         let partitions = partitions.clamp(1, units.len().max(1));
         Ok(Self {
@@ -144,6 +152,7 @@ impl SieveScanExec {
             shipped,
             output_no_columns,
             predicate,
+            filtered_statistics: Arc::new(filtered),
             aggregate: None,
             aggregate_note: None,
             join_notes: vec![],
@@ -167,6 +176,7 @@ impl SieveScanExec {
             shipped: self.shipped.clone(),
             output_no_columns: self.output_no_columns,
             predicate: self.predicate.clone(),
+            filtered_statistics: Arc::clone(&self.filtered_statistics),
             aggregate: self.aggregate.clone(),
             aggregate_note: self.aggregate_note.clone(),
             join_notes: self.join_notes.clone(),
@@ -566,13 +576,7 @@ impl ExecutionPlan for SieveScanExec {
         if self.aggregate.is_some() {
             return Ok(Arc::new(Statistics::new_unknown(&self.schema())));
         }
-        let mut statistics = match &self.predicate {
-            Some(predicate) => {
-                filtered_statistics(&self.table.schema, &self.table.statistics, predicate)
-                    .unwrap_or_else(|_| self.table.statistics.clone().to_inexact())
-            }
-            None => self.table.statistics.clone(),
-        };
+        let mut statistics = self.filtered_statistics.as_ref().clone();
         if let Some(partition) = partition {
             // Slices are dealt round robin: this partition's share of the rows.
             let partitions = self.properties.partitioning.partition_count();
