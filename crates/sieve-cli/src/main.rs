@@ -82,8 +82,10 @@ enum Command {
         /// Byte-range HTTP address.
         #[arg(long, default_value = "127.0.0.1:50061")]
         range_listen: SocketAddr,
-        /// Codec of shipped Arrow IPC buffers: zstd (fewest bytes), lz4, none (least CPU).
-        #[arg(long, default_value = "zstd")]
+        /// Codec of shipped Arrow IPC buffers unless a request asks for one:
+        /// auto (none for a compute node on this host, zstd across a
+        /// network), zstd (fewest bytes), lz4, none (least CPU).
+        #[arg(long, default_value = "auto")]
         ipc_compression: String,
         /// Evaluate the fragment's filter inside the Parquet decoder, decoding
         /// the other columns only for rows that pass (late materialisation).
@@ -208,16 +210,7 @@ async fn run(cli: Cli) -> Result<()> {
             ipc_compression,
             late_materialization,
         } => {
-            let ipc_compression = match ipc_compression.as_str() {
-                "zstd" => Some(arrow::ipc::CompressionType::ZSTD),
-                "lz4" => Some(arrow::ipc::CompressionType::LZ4_FRAME),
-                "none" => None,
-                other => {
-                    return datafusion::common::plan_err!(
-                        "--ipc-compression must be zstd, lz4 or none, not '{other}'"
-                    )
-                }
-            };
+            let ipc_compression = sieve_fragment::IpcCodec::parse(&ipc_compression)?;
             let node = StorageNode::start(StorageNodeConfig {
                 data_directory: data.clone(),
                 flight_address: listen,
@@ -287,8 +280,12 @@ async fn run_statements(context: &datafusion::prelude::SessionContext, sql: &str
         .map(str::trim)
         .filter(|statement| !statement.is_empty())
     {
+        let started = std::time::Instant::now();
         let batches = context.sql(statement).await?.collect().await?;
+        let elapsed = started.elapsed();
+        let rows: usize = batches.iter().map(|batch| batch.num_rows()).sum();
         println!("{}", arrow::util::pretty::pretty_format_batches(&batches)?);
+        eprintln!("{rows} row(s) in {:.1} ms", elapsed.as_secs_f64() * 1e3);
     }
     Ok(())
 }

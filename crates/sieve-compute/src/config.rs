@@ -17,6 +17,10 @@ extensions_options! {
         /// Slice requests kept in flight per output partition: how far the
         /// scan reads ahead of its consumer.
         pub slices_in_flight: usize, default = 4
+        /// Codec of the Arrow IPC batches the storage nodes ship: `auto`
+        /// (the node's choice: none for a peer on its host, zstd across a
+        /// network), `none`, `lz4` or `zstd`.
+        pub ipc_compression: String, default = "auto".to_string()
         /// Push partial aggregations into fragments where statistics say
         /// they shrink the data.
         pub aggregate_pushdown: bool, default = true

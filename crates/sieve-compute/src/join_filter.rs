@@ -38,6 +38,8 @@ use datafusion::physical_expr::{split_conjunction, PhysicalExpr};
 use datafusion::physical_expr_common::physical_expr::snapshot_physical_expr;
 use sieve_fragment::BloomFilterExpr;
 
+use crate::build_keys::{BuildKeys, CollectedKeys};
+
 /// A dynamic filter a scan received from above.
 #[derive(Debug, Clone)]
 pub struct JoinFilterSlot {
@@ -46,6 +48,10 @@ pub struct JoinFilterSlot {
     /// The join that produces it ("orders", say); `Some` means the scan waits
     /// for the filter to be complete before it sends any request.
     pub source: Option<String>,
+    /// The join's build-side keys, collected on their way into its hash
+    /// table (see [`crate::build_keys`]): the values of the list or Bloom
+    /// filter, in place of DataFusion's IN list.
+    pub keys: Option<Arc<BuildKeys>>,
 }
 
 /// How build-side keys are shipped (the `sieve.join_filter_*` settings).
@@ -71,8 +77,8 @@ struct KeySummary {
     nothing: bool,
     /// Inclusive bounds per column.
     bounds: Vec<(usize, ScalarValue, ScalarValue)>,
-    /// The possible values of one column (with duplicates).
-    members: Option<(usize, ArrayRef)>,
+    /// The possible values of columns (with duplicates).
+    members: Vec<(usize, ArrayRef)>,
 }
 
 /// Wait for every join filter with a known source, then turn all of them into
@@ -107,10 +113,44 @@ pub(crate) async fn resolve(
                 .is_ok();
         }
         let snapshot = snapshot_physical_expr(Arc::clone(&slot.filter))?;
-        let summary = summarize(&snapshot);
+        let mut summary = summarize(&snapshot);
+        let mut collected_note = None;
+        if let (Some(keys), Some(summary), true) = (&slot.keys, &mut summary, complete) {
+            // The join's probe keys, in join key order, as scan columns.
+            let probe_keys: Vec<Option<usize>> = dynamic
+                .first()
+                .map(|filter| filter.children().into_iter().map(column).collect())
+                .unwrap_or_default();
+            match keys.collected() {
+                CollectedKeys::Keys(columns) => {
+                    let mut members = Vec::new();
+                    for (probe, arrays) in probe_keys.iter().zip(columns) {
+                        let (Some(index), false) = (probe, arrays.is_empty()) else {
+                            continue;
+                        };
+                        let arrays: Vec<&dyn Array> =
+                            arrays.iter().map(|array| array.as_ref()).collect();
+                        members.push((*index, concat(&arrays)?));
+                    }
+                    if !members.is_empty() {
+                        summary.members = members;
+                    }
+                }
+                CollectedKeys::TooMany(rows) => {
+                    collected_note = Some(format!(
+                        "{rows} build rows, above what is collected: no membership test"
+                    ));
+                }
+                CollectedKeys::Incomplete => {}
+            }
+        }
         let (parts, description) = match summary {
             Some(summary) => build(&summary, settings, shipped, table_schema)?,
             None => (vec![], "not expressible".to_string()),
+        };
+        let description = match collected_note {
+            Some(note) => format!("{description} + {note}"),
+            None => description,
         };
         let description = if complete {
             description
@@ -166,14 +206,14 @@ fn summarize(expr: &Arc<dyn PhysicalExpr>) -> Option<KeySummary> {
                 if let Some(array) =
                     values.and_then(|values| ScalarValue::iter_to_array(values).ok())
                 {
-                    summary.members = Some((index, array));
+                    summary.members.push((index, array));
                 }
             }
         } else if let Some(case) = conjunct.downcast_ref::<CaseExpr>() {
             if let Some(inner) = summarize_case(case) {
                 summary.nothing |= inner.nothing;
                 summary.bounds.extend(inner.bounds);
-                summary.members = summary.members.or(inner.members);
+                summary.members.extend(inner.members);
             }
         }
     }
@@ -230,18 +270,21 @@ fn summarize_case(case: &CaseExpr) -> Option<KeySummary> {
             merged.bounds.push((*index, low, high));
         }
     }
-    if let Some((index, _)) = &first.members {
+    for (index, _) in &first.members {
         let arrays: Option<Vec<&ArrayRef>> = branches
             .iter()
-            .map(|branch| match &branch.members {
-                Some((other, array)) if other == index => Some(array),
-                _ => None,
+            .map(|branch| {
+                branch
+                    .members
+                    .iter()
+                    .find(|(other, _)| other == index)
+                    .map(|(_, array)| array)
             })
             .collect();
         if let Some(arrays) = arrays {
             let arrays: Vec<&dyn Array> = arrays.iter().map(|array| array.as_ref()).collect();
             if let Ok(all) = concat(&arrays) {
-                merged.members = Some((*index, all));
+                merged.members.push((*index, all));
             }
         }
     }
@@ -313,7 +356,7 @@ fn build(
         )));
         parts.push(format!("range [{low}, {high}]"));
     }
-    if let Some((index, members)) = &summary.members {
+    for (index, members) in &summary.members {
         if let Some(key) = table_column(*index) {
             let members = distinct(members)?;
             let keys = members.len();

@@ -21,6 +21,7 @@
 //! the range endpoint served.
 #![deny(missing_docs)]
 
+mod build_keys;
 mod catalog;
 mod client;
 mod config;
@@ -33,6 +34,7 @@ mod session;
 mod table;
 mod traffic;
 
+pub use build_keys::{BuildKeys, BuildKeysExec, CollectedKeys};
 pub use catalog::{ClusterCatalog, ClusterSlice, ClusterTable};
 pub use client::{SlicePart, SliceResult, StorageClient};
 pub use config::{NdpMode, SieveConfig};

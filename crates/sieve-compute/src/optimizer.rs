@@ -11,7 +11,9 @@
 //!   told which join it comes from; it then waits for the join's build side
 //!   before sending requests, instead of racing it. A filter whose build side
 //!   is estimated to hold about every value the probe key can take is dropped
-//!   instead, so the join does not spend time building it.
+//!   instead, so the join does not spend time building it. The join's build
+//!   input gets a [`BuildKeysExec`], which collects the key values the
+//!   scan's list or Bloom filter is made of.
 
 use std::sync::Arc;
 
@@ -27,17 +29,22 @@ use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
 use datafusion::physical_plan::filter::FilterExec;
-use datafusion::physical_plan::joins::HashJoinExec;
+use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
 use datafusion::physical_plan::{ExecutionPlan, Partitioning};
 use sieve_fragment::{check_plan_allowed, SliceInputExec};
 
+use crate::build_keys::{BuildKeys, BuildKeysExec};
 use crate::{PushedAggregate, SieveConfig, SieveScanExec};
 
 fn recompute() -> ReplaceChildrenOptions {
     ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute)
+}
+
+fn keep() -> ReplaceChildrenOptions {
+    ReplaceChildrenOptions::new(ChildrenPropertiesMode::Keep)
 }
 
 /// Moves partial aggregations into fragments (see the module docs).
@@ -283,6 +290,24 @@ fn push_aggregate(
 /// possible distinct values is dropped at planning.
 const UNSELECTIVE_BUILD_RATIO: f64 = 0.9;
 
+/// Build rows collected per key `sieve.join_filter_keys_max` allows: a build
+/// side may repeat its keys.
+const BUILD_ROWS_PER_KEY: usize = 4;
+
+/// A hash join whose dynamic filter some scan may hold.
+struct JoinSource {
+    /// The dynamic filter's expression id.
+    id: u64,
+    /// The build side's tables, for EXPLAIN.
+    name: String,
+    /// Exact build-side rows, if known.
+    build_rows: Option<usize>,
+    /// Where the build side's keys are collected.
+    keys: Arc<BuildKeys>,
+    /// Whether a scan applies the filter (only then are keys collected).
+    used: bool,
+}
+
 /// Tells scans which hash join each of their dynamic filters comes from, so
 /// they wait for it, and drops those that cannot filter (see the module docs).
 #[derive(Debug, Default)]
@@ -308,10 +333,14 @@ impl PhysicalOptimizerRule for WaitForJoinFilters {
     fn optimize(
         &self,
         plan: Arc<dyn ExecutionPlan>,
-        _config: &ConfigOptions,
+        config: &ConfigOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        // (filter id, build side name, estimated build rows)
-        let mut sources: Vec<(u64, String, Option<usize>)> = Vec::new();
+        let settings = config
+            .extensions
+            .get::<SieveConfig>()
+            .cloned()
+            .unwrap_or_default();
+        let mut sources: Vec<JoinSource> = Vec::new();
         plan.apply(|node| {
             if let Some(join) = node.downcast_ref::<HashJoinExec>() {
                 // Only an exact count (estimates through filters and joins are
@@ -335,9 +364,25 @@ impl PhysicalOptimizerRule for WaitForJoinFilters {
                         Precision::Exact(rows) if !build_filtered => Some(rows),
                         _ => None,
                     });
+                let partitions = match join.partition_mode() {
+                    PartitionMode::CollectLeft => 1,
+                    _ => join.left().properties().partitioning.partition_count(),
+                };
                 for filter in join.dynamic_expressions_produced() {
                     if let Some(id) = filter.expression_id() {
-                        sources.push((id, build_side_name(join.left()), build_rows));
+                        sources.push(JoinSource {
+                            id,
+                            name: build_side_name(join.left()),
+                            build_rows,
+                            keys: Arc::new(BuildKeys::new(
+                                partitions,
+                                join.on().len(),
+                                settings
+                                    .join_filter_keys_max
+                                    .saturating_mul(BUILD_ROWS_PER_KEY),
+                            )),
+                            used: false,
+                        });
                     }
                 }
             }
@@ -346,38 +391,76 @@ impl PhysicalOptimizerRule for WaitForJoinFilters {
         if sources.is_empty() {
             return Ok(plan);
         }
-        plan.transform_up(|node| {
-            let Some(scan) = node.downcast_ref::<SieveScanExec>() else {
-                return Ok(Transformed::no(node));
-            };
-            let mut updated: Option<SieveScanExec> = None;
-            for (id, source, build_rows) in &sources {
-                let current = updated.as_ref().unwrap_or(scan);
-                if !current.holds_expression_id(*id) {
-                    continue;
-                }
-                // A build side with about as many keys as the probe key can
-                // take filters nothing, yet building its key list costs the
-                // join: drop the filter, so the join does not compute it.
-                let bound = current.join_key_distinct_bound(*id);
-                if let (Some(rows), Some(bound)) = (build_rows, bound) {
-                    if (*rows as f64) >= UNSELECTIVE_BUILD_RATIO * bound as f64 {
-                        updated = Some(current.without_join_filter(
-                            *id,
-                            format!(
-                                "join filter from {source} dropped: {rows} build rows \
-                                 for at most {bound} distinct probe keys"
-                            ),
-                        ));
+        let plan = plan
+            .transform_up(|node| {
+                let Some(scan) = node.downcast_ref::<SieveScanExec>() else {
+                    return Ok(Transformed::no(node));
+                };
+                let mut updated: Option<SieveScanExec> = None;
+                for source in &mut sources {
+                    let current = updated.as_ref().unwrap_or(scan);
+                    if !current.holds_expression_id(source.id) {
                         continue;
                     }
+                    // A build side with about as many keys as the probe key can
+                    // take filters nothing, yet building its key list costs the
+                    // join: drop the filter, so the join does not compute it.
+                    let bound = current.join_key_distinct_bound(source.id);
+                    if let (Some(rows), Some(bound)) = (source.build_rows, bound) {
+                        if (rows as f64) >= UNSELECTIVE_BUILD_RATIO * bound as f64 {
+                            updated = Some(current.without_join_filter(
+                                source.id,
+                                format!(
+                                    "join filter from {} dropped: {rows} build rows \
+                                     for at most {bound} distinct probe keys",
+                                    source.name
+                                ),
+                            ));
+                            continue;
+                        }
+                    }
+                    source.used = true;
+                    updated = Some(current.with_join_filter_source(
+                        source.id,
+                        &source.name,
+                        Arc::clone(&source.keys),
+                    ));
                 }
-                updated = Some(current.with_join_filter_source(*id, source));
+                Ok(match updated {
+                    Some(updated) => Transformed::yes(Arc::new(updated) as Arc<dyn ExecutionPlan>),
+                    None => Transformed::no(node),
+                })
+            })?
+            .data;
+        // Collect the build-side keys of every join whose filter a scan uses.
+        plan.transform_up(|node| {
+            let Some(join) = node.downcast_ref::<HashJoinExec>() else {
+                return Ok(Transformed::no(node));
+            };
+            let ids: Vec<u64> = join
+                .dynamic_expressions_produced()
+                .iter()
+                .filter_map(|filter| filter.expression_id())
+                .collect();
+            let Some(source) = sources
+                .iter()
+                .find(|source| source.used && ids.contains(&source.id))
+            else {
+                return Ok(Transformed::no(node));
+            };
+            if join.left().downcast_ref::<BuildKeysExec>().is_some() {
+                return Ok(Transformed::no(node));
             }
-            Ok(match updated {
-                Some(updated) => Transformed::yes(Arc::new(updated) as Arc<dyn ExecutionPlan>),
-                None => Transformed::no(node),
-            })
+            let keys = join.on().iter().map(|(left, _)| Arc::clone(left)).collect();
+            let tap: Arc<dyn ExecutionPlan> = Arc::new(BuildKeysExec::new(
+                Arc::clone(join.left()),
+                keys,
+                Arc::clone(&source.keys),
+            ));
+            let right = Arc::clone(join.right());
+            Ok(Transformed::yes(
+                Arc::clone(&node).replace_children(vec![tap, right], keep())?,
+            ))
         })
         .map(|transformed| transformed.data)
     }

@@ -38,8 +38,9 @@ use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
 };
 use futures::{stream, StreamExt, TryStreamExt};
-use sieve_fragment::FragmentEnvelope;
+use sieve_fragment::{FragmentEnvelope, IpcCodec};
 
+use crate::build_keys::BuildKeys;
 use crate::client::SlicePart;
 use crate::estimate::filtered_statistics;
 use crate::join_filter::{resolve, JoinFilterSettings, JoinFilterSlot};
@@ -80,6 +81,7 @@ pub struct SieveScanExec {
     /// The encoded fragment body without join filters, shared by every slice request.
     body: Arc<Vec<u8>>,
     slices_in_flight: usize,
+    ipc_codec: IpcCodec,
     properties: Arc<PlanProperties>,
     metrics: ExecutionPlanMetricsSet,
 }
@@ -93,6 +95,8 @@ pub struct ScanOptions {
     pub slices_in_flight: usize,
     /// How join filters are applied.
     pub join_settings: JoinFilterSettings,
+    /// Codec asked of the storage nodes for the shipped batches.
+    pub ipc_codec: IpcCodec,
 }
 
 /// A partial aggregation pushed into the fragment.
@@ -120,6 +124,7 @@ impl SieveScanExec {
             partitions,
             slices_in_flight,
             join_settings,
+            ipc_codec,
         } = options;
         let output_no_columns = projection.is_empty();
         let shipped = if output_no_columns {
@@ -163,6 +168,7 @@ impl SieveScanExec {
             units,
             body,
             slices_in_flight: slices_in_flight.max(1),
+            ipc_codec,
             properties: properties(schema, partitions),
             metrics: ExecutionPlanMetricsSet::new(),
         })
@@ -187,6 +193,7 @@ impl SieveScanExec {
             units: Arc::clone(&self.units),
             body: Arc::clone(&self.body),
             slices_in_flight: self.slices_in_flight,
+            ipc_codec: self.ipc_codec,
             properties: Arc::clone(&self.properties),
             metrics: ExecutionPlanMetricsSet::new(),
         }
@@ -222,12 +229,19 @@ impl SieveScanExec {
     }
 
     /// This scan, told that the dynamic filter with `expression_id` comes
-    /// from the hash join whose build side is `source`: it will wait for it.
-    pub fn with_join_filter_source(&self, expression_id: u64, source: &str) -> Self {
+    /// from the hash join whose build side is `source`: it will wait for it,
+    /// and take the key values from `keys`.
+    pub fn with_join_filter_source(
+        &self,
+        expression_id: u64,
+        source: &str,
+        keys: Arc<BuildKeys>,
+    ) -> Self {
         let mut join_filters = self.join_filters.clone();
         for slot in &mut join_filters {
             if contains_expression_id(&slot.filter, expression_id) {
                 slot.source = Some(source.to_string());
+                slot.keys = Some(Arc::clone(&keys));
             }
         }
         Self {
@@ -536,6 +550,7 @@ impl ExecutionPlan for SieveScanExec {
                     join_filters.push(JoinFilterSlot {
                         filter: result.filter,
                         source: None,
+                        keys: None,
                     });
                 }
             }
@@ -640,6 +655,7 @@ impl ExecutionPlan for SieveScanExec {
         let output_no_columns = self.output_no_columns && self.aggregate.is_none();
         let rewrap = self.aggregate.is_some();
         let slices_in_flight = self.slices_in_flight;
+        let ipc_codec = self.ipc_codec;
 
         // The fragment body: the planned one, plus whatever the join filters
         // resolve to once their build sides are complete.
@@ -701,7 +717,8 @@ impl ExecutionPlan for SieveScanExec {
                             unit.slice.summary.slice,
                             body.as_ref().clone(),
                         )
-                        .with_row_groups(unit.row_groups);
+                        .with_row_groups(unit.row_groups)
+                        .with_ipc_codec(ipc_codec);
                         let encoded = prost::Message::encode_to_vec(&envelope);
                         catalog.clients[unit.slice.node].stream_slice(encoded, Arc::clone(&traffic))
                     })

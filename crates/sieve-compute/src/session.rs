@@ -2,7 +2,6 @@
 
 use std::sync::Arc;
 
-use datafusion::common::config::ConfigOptions;
 use datafusion::common::{DataFusionError, Result};
 use datafusion::execution::object_store::ObjectStoreUrl;
 use datafusion::execution::SessionStateBuilder;
@@ -39,46 +38,14 @@ pub async fn connect_session(urls: &[String]) -> Result<SieveSession> {
 }
 
 impl SieveSession {
-    /// Run `SET sieve.ndp = on|off`. Off also restores DataFusion's own
-    /// defaults for how many build-side keys a hash join hands to its probe
-    /// side (Sieve raises them for its Bloom filters), so the baseline is
-    /// stock DataFusion; on raises them again.
+    /// Run `SET sieve.ndp = on|off`.
     pub fn set_ndp(&self, on: bool) -> Result<()> {
         let state = self.context.state_ref();
         let mut state = state.write();
-        let options = state.config_mut().options_mut();
-        options.set("sieve.ndp", if on { "on" } else { "off" })?;
-        let sieve = options
-            .extensions
-            .get::<SieveConfig>()
-            .cloned()
-            .unwrap_or_default();
-        raise_join_key_lists(options, on.then_some(&sieve));
-        Ok(())
-    }
-}
-
-/// Let hash joins hand their build-side keys over as a list up to the size
-/// Sieve ships as a Bloom filter (`Some`), or restore DataFusion's defaults
-/// (`None`: 150 keys, 128 KiB).
-fn raise_join_key_lists(options: &mut ConfigOptions, sieve: Option<&SieveConfig>) {
-    let defaults = ConfigOptions::default().optimizer;
-    let optimizer = &mut options.optimizer;
-    match sieve {
-        Some(sieve) => {
-            optimizer.hash_join_inlist_pushdown_max_distinct_values = defaults
-                .hash_join_inlist_pushdown_max_distinct_values
-                .max(sieve.join_filter_keys_max);
-            optimizer.hash_join_inlist_pushdown_max_size = defaults
-                .hash_join_inlist_pushdown_max_size
-                .max(sieve.join_filter_keys_max.saturating_mul(64));
-        }
-        None => {
-            optimizer.hash_join_inlist_pushdown_max_distinct_values =
-                defaults.hash_join_inlist_pushdown_max_distinct_values;
-            optimizer.hash_join_inlist_pushdown_max_size =
-                defaults.hash_join_inlist_pushdown_max_size;
-        }
+        state
+            .config_mut()
+            .options_mut()
+            .set("sieve.ndp", if on { "on" } else { "off" })
     }
 }
 
@@ -90,10 +57,9 @@ pub async fn connect_session_with_config(
     let catalog = Arc::new(ClusterCatalog::discover(urls).await?);
     let traffic = Arc::new(Traffic::default());
     let sieve = SieveConfig::default();
-    let mut config = config
-        .with_option_extension(sieve.clone())
+    let config = config
+        .with_option_extension(sieve)
         .with_information_schema(true);
-    raise_join_key_lists(config.options_mut(), Some(&sieve));
     let state = SessionStateBuilder::new()
         .with_config(config)
         .with_default_features()

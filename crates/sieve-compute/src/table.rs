@@ -21,7 +21,7 @@ use datafusion_datasource::file_scan_config::FileScanConfigBuilder;
 use datafusion_datasource::PartitionedFile;
 use datafusion_datasource_parquet::source::ParquetSource;
 use datafusion_datasource_parquet::CachedParquetFileReaderFactory;
-use sieve_fragment::check_allowed;
+use sieve_fragment::{check_allowed, IpcCodec};
 
 use crate::range_store::{ClusterRangeStore, CLUSTER_RANGE_URL};
 use crate::{
@@ -214,6 +214,7 @@ impl TableProvider for SieveTable {
                 partitions: state.config().target_partitions(),
                 slices_in_flight: settings.slices_in_flight,
                 join_settings: settings.join_filter_settings(),
+                ipc_codec: IpcCodec::parse(&settings.ipc_compression)?,
             },
         )?);
         match residual {

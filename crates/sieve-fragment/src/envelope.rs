@@ -45,6 +45,71 @@ pub struct FragmentEnvelope {
     /// be split over several requests, processed in parallel.
     #[prost(uint32, repeated, tag = "5")]
     pub row_groups: Vec<u32>,
+    /// Codec the compute node asks for the shipped Arrow IPC buffers, as
+    /// [`IpcCodec::wire`]: 0 leaves the choice to the storage node.
+    #[prost(uint32, tag = "6")]
+    pub ipc_codec: u32,
+}
+
+/// Codec of the Arrow IPC buffers a storage node ships. Compression trades
+/// CPU on both ends for bytes on the link: worth it on a network, pure cost
+/// when compute and storage share a host (loopback runs at memory speed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IpcCodec {
+    /// No compression for a peer on the same host (loopback), zstd otherwise.
+    #[default]
+    Auto,
+    /// Uncompressed buffers.
+    None,
+    /// LZ4 frames: cheaper than zstd, larger.
+    Lz4,
+    /// Zstandard: the fewest bytes.
+    Zstd,
+}
+
+impl IpcCodec {
+    /// The envelope's encoding (tag 6).
+    pub fn wire(self) -> u32 {
+        match self {
+            Self::Auto => 0,
+            Self::None => 1,
+            Self::Lz4 => 2,
+            Self::Zstd => 3,
+        }
+    }
+
+    /// Decode the envelope's tag 6; unknown values are refused.
+    pub fn from_wire(value: u32) -> Result<Self> {
+        Ok(match value {
+            0 => Self::Auto,
+            1 => Self::None,
+            2 => Self::Lz4,
+            3 => Self::Zstd,
+            other => return plan_err!("unknown IPC codec {other} in NDP fragment"),
+        })
+    }
+
+    /// Parse a setting: `auto`, `none`, `lz4` or `zstd`.
+    pub fn parse(text: &str) -> Result<Self> {
+        Ok(match text.to_ascii_lowercase().as_str() {
+            "auto" => Self::Auto,
+            "none" => Self::None,
+            "lz4" => Self::Lz4,
+            "zstd" => Self::Zstd,
+            other => return plan_err!("IPC codec must be auto, none, lz4 or zstd, not '{other}'"),
+        })
+    }
+
+    /// The Arrow codec for a peer; `loopback` says whether the peer shares
+    /// this host, which only matters for [`IpcCodec::Auto`].
+    pub fn resolve(self, loopback: bool) -> Option<arrow::ipc::CompressionType> {
+        match self {
+            Self::Auto if loopback => None,
+            Self::Auto | Self::Zstd => Some(arrow::ipc::CompressionType::ZSTD),
+            Self::None => None,
+            Self::Lz4 => Some(arrow::ipc::CompressionType::LZ4_FRAME),
+        }
+    }
 }
 
 /// What to do with the slice. Join filters travel inside `predicate` (as
@@ -195,7 +260,14 @@ impl FragmentEnvelope {
             slice,
             body,
             row_groups: vec![],
+            ipc_codec: IpcCodec::Auto.wire(),
         }
+    }
+
+    /// This envelope asking for `codec` on the shipped batches.
+    pub fn with_ipc_codec(mut self, codec: IpcCodec) -> Self {
+        self.ipc_codec = codec.wire();
+        self
     }
 
     /// This envelope restricted to `row_groups` of the slice.
@@ -221,6 +293,7 @@ impl FragmentEnvelope {
                 envelope.version
             );
         }
+        IpcCodec::from_wire(envelope.ipc_codec)?;
         Ok(envelope)
     }
 }

@@ -39,6 +39,6 @@ pub use allow_list::{
 pub use bloom::{BloomFilterExpr, BLOOM_FILTER_BYTES_MAX};
 pub use codec::{SieveCodec, SliceInputExec};
 pub use envelope::{
-    schema_fingerprint, DecodedBody, Fragment, FragmentBody, FragmentEnvelope, SliceMetrics,
-    FRAGMENT_BYTES_MAX, FRAGMENT_VERSION,
+    schema_fingerprint, DecodedBody, Fragment, FragmentBody, FragmentEnvelope, IpcCodec,
+    SliceMetrics, FRAGMENT_BYTES_MAX, FRAGMENT_VERSION,
 };

@@ -37,7 +37,7 @@ use datafusion_datasource_parquet::source::ParquetSource;
 use futures::Stream;
 use object_store::local::LocalFileSystem;
 use object_store::ObjectStore;
-use sieve_fragment::{DecodedBody, FragmentEnvelope, SliceInputExec, SliceMetrics};
+use sieve_fragment::{DecodedBody, FragmentEnvelope, IpcCodec, SliceInputExec, SliceMetrics};
 
 use crate::cpu::thread_cpu_nanos;
 use crate::reader::SliceReaderFactory;
@@ -54,9 +54,11 @@ pub struct ExecuteOptions {
     /// Upper bound on cached decoded fragments; the cache is emptied when full.
     /// A fragment is a few kilobytes, so 1024 entries stay under a few megabytes.
     pub fragment_cache_entries_max: usize,
-    /// Codec of the shipped Arrow IPC buffers: zstd ships least (below the
-    /// stored Parquet), LZ4 costs less CPU, none least CPU of all.
-    pub ipc_compression: Option<arrow::ipc::CompressionType>,
+    /// Codec of the shipped Arrow IPC buffers when the request leaves it to
+    /// the node: zstd ships least (below the stored Parquet), LZ4 costs less
+    /// CPU, none least CPU of all; auto is none for a peer on this host and
+    /// zstd for one across a network.
+    pub ipc_compression: IpcCodec,
 }
 
 impl Default for ExecuteOptions {
@@ -65,7 +67,7 @@ impl Default for ExecuteOptions {
             pushdown_filters: false,
             batch_rows: 8192,
             fragment_cache_entries_max: 1024,
-            ipc_compression: Some(arrow::ipc::CompressionType::ZSTD),
+            ipc_compression: IpcCodec::Auto,
         }
     }
 }

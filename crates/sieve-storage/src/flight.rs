@@ -29,7 +29,7 @@ use datafusion::common::DataFusionError;
 use futures::stream;
 use futures::{FutureExt, Stream, StreamExt, TryStreamExt};
 use prost::Message;
-use sieve_fragment::{FragmentEnvelope, SliceMetrics};
+use sieve_fragment::{FragmentEnvelope, IpcCodec, SliceMetrics};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::SliceExecutor;
@@ -176,8 +176,17 @@ impl FlightService for StorageFlightService {
         &self,
         request: Request<Ticket>,
     ) -> Result<Response<Self::DoGetStream>, Status> {
+        // A peer on this host reads at memory speed: compressing for it only
+        // costs CPU on both ends (see `IpcCodec::Auto`).
+        let loopback = request
+            .remote_addr()
+            .is_some_and(|address| address.ip().is_loopback());
         let ticket = request.into_inner().ticket;
         let envelope = FragmentEnvelope::decode_checked(&ticket).map_err(to_status)?;
+        let codec = match IpcCodec::from_wire(envelope.ipc_codec).map_err(to_status)? {
+            IpcCodec::Auto => self.executor.options().ipc_compression,
+            requested => requested,
+        };
         self.executor
             .catalog()
             .slice(&envelope.table, envelope.slice)
@@ -211,7 +220,7 @@ impl FlightService for StorageFlightService {
                 )))),
             });
         let options = IpcWriteOptions::default()
-            .try_with_compression(self.executor.options().ipc_compression)
+            .try_with_compression(codec.resolve(loopback))
             .map_err(|error| Status::internal(error.to_string()))?;
         let encoded = FlightDataEncoderBuilder::new()
             .with_schema(schema)

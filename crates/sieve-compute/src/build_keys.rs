@@ -1,0 +1,232 @@
+//! The build-side keys of a hash join, collected as they stream into it.
+//!
+//! DataFusion's hash join hands its keys to the probe side inside its dynamic
+//! filter: as an IN list (one literal expression per key, which for a few
+//! hundred thousand keys costs more compute-node CPU than the join saves) or
+//! as a lookup into its hash table (which cannot leave the process). Sieve
+//! keeps DataFusion's filter for what it does cheaply (the key range, small
+//! lists, and the moment the build side is complete) and takes the key values
+//! for its Bloom filters from a [`BuildKeysExec`] placed on the join's build
+//! input: a pass-through that evaluates the join's build-side key expressions
+//! on each batch on its way into the hash table.
+//!
+//! ```text
+//!        HashJoinExec ──dynamic filter (range, "complete")──> SieveScanExec (probe)
+//!        /          \                                            ^
+//!  BuildKeysExec     probe side ...                              |
+//!        |  └──── keys of every build batch ─────────────────────┘ (Bloom / list)
+//!   build side ...
+//! ```
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use arrow::array::ArrayRef;
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::{internal_err, Result, Statistics};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_plan::statistics::{ChildStats, StatisticsArgs};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
+use futures::StreamExt;
+
+/// The keys one hash join's build side produced, per key column.
+#[derive(Debug)]
+pub struct BuildKeys {
+    /// Partitions of the build input; the keys are complete once every one
+    /// has been read to its end.
+    partitions: usize,
+    /// Rows past which collecting stops (the keys are then not usable).
+    rows_max: usize,
+    state: Mutex<KeysState>,
+}
+
+#[derive(Debug, Default)]
+struct KeysState {
+    /// Arrays of each key column, one per build batch.
+    columns: Vec<Vec<ArrayRef>>,
+    rows: usize,
+    finished: usize,
+    overflow: bool,
+}
+
+/// What the collector holds once the build side is complete.
+#[derive(Debug, Clone)]
+pub enum CollectedKeys {
+    /// Each key column's values (with duplicates), in join key order.
+    Keys(Vec<Vec<ArrayRef>>),
+    /// More build rows than the collector keeps.
+    TooMany(usize),
+    /// Some build partition has not been read to its end.
+    Incomplete,
+}
+
+impl BuildKeys {
+    /// A collector for a build side of `partitions` partitions and
+    /// `key_columns` keys, keeping at most `rows_max` rows.
+    pub fn new(partitions: usize, key_columns: usize, rows_max: usize) -> Self {
+        Self {
+            partitions,
+            rows_max,
+            state: Mutex::new(KeysState {
+                columns: vec![Vec::new(); key_columns],
+                ..KeysState::default()
+            }),
+        }
+    }
+
+    fn push(&self, keys: Vec<ArrayRef>) {
+        let mut state = self.state.lock().expect("never poisoned");
+        let rows = keys.first().map_or(0, |array| array.len());
+        state.rows += rows;
+        if state.overflow || rows == 0 {
+            return;
+        }
+        if state.rows > self.rows_max {
+            state.overflow = true;
+            state.columns.iter_mut().for_each(Vec::clear);
+            return;
+        }
+        for (column, array) in state.columns.iter_mut().zip(keys) {
+            column.push(array);
+        }
+    }
+
+    fn finish_partition(&self) {
+        self.state.lock().expect("never poisoned").finished += 1;
+    }
+
+    /// The keys, if every build partition has been read to its end.
+    pub fn collected(&self) -> CollectedKeys {
+        let state = self.state.lock().expect("never poisoned");
+        if state.finished < self.partitions {
+            CollectedKeys::Incomplete
+        } else if state.overflow {
+            CollectedKeys::TooMany(state.rows)
+        } else {
+            CollectedKeys::Keys(state.columns.clone())
+        }
+    }
+}
+
+/// Passes its input through unchanged, handing the values of `keys` in every
+/// batch to a [`BuildKeys`] collector.
+#[derive(Debug)]
+pub struct BuildKeysExec {
+    input: Arc<dyn ExecutionPlan>,
+    keys: Vec<Arc<dyn PhysicalExpr>>,
+    collector: Arc<BuildKeys>,
+}
+
+impl BuildKeysExec {
+    /// Collect `keys` (expressions over `input`'s schema) into `collector`.
+    pub fn new(
+        input: Arc<dyn ExecutionPlan>,
+        keys: Vec<Arc<dyn PhysicalExpr>>,
+        collector: Arc<BuildKeys>,
+    ) -> Self {
+        Self {
+            input,
+            keys,
+            collector,
+        }
+    }
+}
+
+impl DisplayAs for BuildKeysExec {
+    fn fmt_as(&self, _format: DisplayFormatType, formatter: &mut fmt::Formatter) -> fmt::Result {
+        let keys: Vec<String> = self.keys.iter().map(|key| key.to_string()).collect();
+        write!(
+            formatter,
+            "BuildKeysExec: join keys [{}] for the probe side's storage nodes",
+            keys.join(", ")
+        )
+    }
+}
+
+impl ExecutionPlan for BuildKeysExec {
+    fn name(&self) -> &str {
+        "BuildKeysExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        self.input.properties()
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.input]
+    }
+
+    fn apply_expressions(
+        &self,
+        f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        for key in &self.keys {
+            if f(key)? == TreeNodeRecursion::Stop {
+                return Ok(TreeNodeRecursion::Stop);
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![true]
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let [input] = &children[..] else {
+            return internal_err!("BuildKeysExec has one child");
+        };
+        Ok(Arc::new(Self {
+            input: Arc::clone(input),
+            keys: self.keys.clone(),
+            collector: Arc::clone(&self.collector),
+        }))
+    }
+
+    fn child_stats_requests(&self, partition: Option<usize>) -> Vec<ChildStats> {
+        vec![ChildStats::At(partition)]
+    }
+
+    fn statistics_from_inputs(
+        &self,
+        input_stats: &[Arc<Statistics>],
+        _args: &StatisticsArgs,
+    ) -> Result<Arc<Statistics>> {
+        Ok(Arc::clone(&input_stats[0]))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let input = self.input.execute(partition, context)?;
+        let schema = input.schema();
+        let keys = self.keys.clone();
+        let collector = Arc::clone(&self.collector);
+        let mut finisher = Some(Arc::clone(&self.collector));
+        let tapped = input
+            .map(move |batch| {
+                let batch = batch?;
+                let arrays = keys
+                    .iter()
+                    .map(|key| key.evaluate(&batch)?.into_array(batch.num_rows()))
+                    .collect::<Result<Vec<_>>>()?;
+                collector.push(arrays);
+                Ok(batch)
+            })
+            .chain(futures::stream::poll_fn(move |_| {
+                // Counted once, however often the ended stream is polled.
+                if let Some(finisher) = finisher.take() {
+                    finisher.finish_partition();
+                }
+                std::task::Poll::Ready(None)
+            }));
+        Ok(Box::pin(RecordBatchStreamAdapter::new(schema, tapped)))
+    }
+}
