@@ -15,7 +15,7 @@ use futures::StreamExt;
 use prost::Message;
 use sieve_cli::cluster::{generated_tpch, EmbeddedCluster};
 use sieve_format::SliceLayout;
-use sieve_fragment::{schema_fingerprint, Fragment, FragmentBody, FragmentEnvelope};
+use sieve_fragment::{schema_fingerprint, Fragment, FragmentBody, FragmentEnvelope, IpcCodec};
 use tonic::Code;
 
 fn test_data() -> PathBuf {
@@ -274,5 +274,36 @@ async fn row_group_outside_the_slice_is_refused() {
             .contains("row group 4000000000 of slice 1 of region does not exist"),
         "{status:?}"
     );
+    assert_still_serving(&mut fixture).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_ipc_codec_is_refused_and_each_known_one_is_served() {
+    let mut fixture = fixture().await;
+    let body = first_column(&fixture.schema);
+    let mut envelope = FragmentEnvelope::new("region", 1, body);
+    envelope.ipc_codec = 77;
+    let status = status_of(&mut fixture.client, envelope.encode_to_vec())
+        .await
+        .expect("refused");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().contains("unknown IPC codec 77"),
+        "{status:?}"
+    );
+    for codec in [
+        IpcCodec::Auto,
+        IpcCodec::None,
+        IpcCodec::Lz4,
+        IpcCodec::Zstd,
+    ] {
+        let ticket = FragmentEnvelope::new("region", 1, first_column(&fixture.schema))
+            .with_ipc_codec(codec)
+            .encode_to_vec();
+        assert!(
+            status_of(&mut fixture.client, ticket).await.is_none(),
+            "{codec:?} served"
+        );
+    }
     assert_still_serving(&mut fixture).await;
 }

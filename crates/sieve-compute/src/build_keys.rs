@@ -230,3 +230,65 @@ impl ExecutionPlan for BuildKeysExec {
         Ok(Box::pin(RecordBatchStreamAdapter::new(schema, tapped)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Array, Int64Array};
+    use arrow::datatypes::{DataType, Field, Schema};
+    use arrow::record_batch::RecordBatch;
+    use datafusion::datasource::memory::MemorySourceConfig;
+    use datafusion::physical_expr::expressions::Column;
+    use datafusion::physical_plan::common::collect;
+
+    fn input(partitions: Vec<Vec<i64>>) -> Arc<dyn ExecutionPlan> {
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)]));
+        let batches: Vec<Vec<RecordBatch>> = partitions
+            .into_iter()
+            .map(|values| {
+                vec![RecordBatch::try_new(
+                    Arc::clone(&schema),
+                    vec![Arc::new(Int64Array::from(values))],
+                )
+                .unwrap()]
+            })
+            .collect();
+        MemorySourceConfig::try_new_exec(&batches, schema, None).unwrap()
+    }
+
+    #[tokio::test]
+    async fn keys_are_complete_only_after_every_partition_and_rows_pass_unchanged() {
+        let collector = Arc::new(BuildKeys::new(2, 1, 100));
+        let tap = BuildKeysExec::new(
+            input(vec![vec![1, 2, 2], vec![7]]),
+            vec![Arc::new(Column::new("k", 0))],
+            Arc::clone(&collector),
+        );
+        let context = Arc::new(TaskContext::default());
+        let first = collect(tap.execute(0, Arc::clone(&context)).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(first[0].num_rows(), 3);
+        assert!(matches!(collector.collected(), CollectedKeys::Incomplete));
+        collect(tap.execute(1, context).unwrap()).await.unwrap();
+        let CollectedKeys::Keys(columns) = collector.collected() else {
+            panic!("complete after both partitions");
+        };
+        let values: usize = columns[0].iter().map(|array| array.len()).sum();
+        assert_eq!(values, 4);
+    }
+
+    #[tokio::test]
+    async fn too_many_build_rows_are_not_kept() {
+        let collector = Arc::new(BuildKeys::new(1, 1, 2));
+        let tap = BuildKeysExec::new(
+            input(vec![vec![1, 2, 3]]),
+            vec![Arc::new(Column::new("k", 0))],
+            Arc::clone(&collector),
+        );
+        collect(tap.execute(0, Arc::new(TaskContext::default())).unwrap())
+            .await
+            .unwrap();
+        assert!(matches!(collector.collected(), CollectedKeys::TooMany(3)));
+    }
+}
