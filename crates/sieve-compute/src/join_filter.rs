@@ -24,9 +24,12 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use arrow::array::{Array, ArrayRef};
+use arrow::array::{Array, ArrayRef, ArrowPrimitiveType, AsArray, PrimitiveArray};
 use arrow::compute::{concat, take};
-use arrow::datatypes::Schema;
+use arrow::datatypes::{
+    DataType, Date32Type, Date64Type, Int16Type, Int32Type, Int64Type, Int8Type, Schema,
+    UInt16Type, UInt32Type, UInt64Type, UInt8Type,
+};
 use arrow::row::{RowConverter, SortField};
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::common::{Result, ScalarValue};
@@ -81,14 +84,28 @@ struct KeySummary {
     members: Vec<(usize, ArrayRef)>,
 }
 
+/// The probe scan's output columns, as join filters need them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ProbeColumns<'a> {
+    /// `shipped[i]` is the table column of scan output column `i`.
+    pub(crate) shipped: &'a [usize],
+    /// The table's schema.
+    pub(crate) table_schema: &'a Schema,
+    /// Upper bound on the distinct values of each scan output column.
+    pub(crate) distinct_bounds: &'a [Option<u64>],
+}
+
+/// A key set holding at least this share of the values the probe column can
+/// take filters too little to be worth a membership test.
+const UNSELECTIVE_KEYS_RATIO: f64 = 0.9;
+
 /// Wait for every join filter with a known source, then turn all of them into
-/// conjuncts over the table schema. `shipped[i]` is the table column of scan
-/// output column `i`. Returns the conjuncts and a description per filter.
+/// conjuncts over the table schema. Returns the conjuncts and a description
+/// per filter.
 pub(crate) async fn resolve(
     slots: &[JoinFilterSlot],
     settings: &JoinFilterSettings,
-    shipped: &[usize],
-    table_schema: &Schema,
+    probe: ProbeColumns<'_>,
 ) -> Result<(Vec<Arc<dyn PhysicalExpr>>, Vec<String>)> {
     let mut conjuncts = Vec::new();
     let mut descriptions = Vec::new();
@@ -145,7 +162,7 @@ pub(crate) async fn resolve(
             }
         }
         let (parts, description) = match summary {
-            Some(summary) => build(&summary, settings, shipped, table_schema)?,
+            Some(summary) => build(&summary, settings, probe)?,
             None => (vec![], "not expressible".to_string()),
         };
         let description = match collected_note {
@@ -310,8 +327,37 @@ fn integer_span(low: &ScalarValue, high: &ScalarValue) -> Option<u64> {
     u64::try_from(span).ok()
 }
 
+/// Distinct, non-null values of an integer-like array, sorted.
+fn distinct_sorted<T: ArrowPrimitiveType>(array: &ArrayRef) -> ArrayRef
+where
+    T::Native: Ord,
+{
+    let array = array.as_primitive::<T>();
+    let mut values: Vec<T::Native> = array.iter().flatten().collect();
+    values.sort_unstable();
+    values.dedup();
+    Arc::new(
+        PrimitiveArray::<T>::from_iter_values(values).with_data_type(array.data_type().clone()),
+    )
+}
+
 /// Distinct, non-null values of `array`.
 fn distinct(array: &ArrayRef) -> Result<ArrayRef> {
+    // Join keys are mostly integers: sorting them is several times cheaper
+    // than hashing their row encoding.
+    match array.data_type() {
+        DataType::Int8 => return Ok(distinct_sorted::<Int8Type>(array)),
+        DataType::Int16 => return Ok(distinct_sorted::<Int16Type>(array)),
+        DataType::Int32 => return Ok(distinct_sorted::<Int32Type>(array)),
+        DataType::Int64 => return Ok(distinct_sorted::<Int64Type>(array)),
+        DataType::UInt8 => return Ok(distinct_sorted::<UInt8Type>(array)),
+        DataType::UInt16 => return Ok(distinct_sorted::<UInt16Type>(array)),
+        DataType::UInt32 => return Ok(distinct_sorted::<UInt32Type>(array)),
+        DataType::UInt64 => return Ok(distinct_sorted::<UInt64Type>(array)),
+        DataType::Date32 => return Ok(distinct_sorted::<Date32Type>(array)),
+        DataType::Date64 => return Ok(distinct_sorted::<Date64Type>(array)),
+        _ => {}
+    }
     let converter = RowConverter::new(vec![SortField::new(array.data_type().clone())])?;
     let rows = converter.convert_columns(std::slice::from_ref(array))?;
     let mut seen = HashSet::with_capacity(array.len());
@@ -325,9 +371,13 @@ fn distinct(array: &ArrayRef) -> Result<ArrayRef> {
 fn build(
     summary: &KeySummary,
     settings: &JoinFilterSettings,
-    shipped: &[usize],
-    table_schema: &Schema,
+    probe: ProbeColumns<'_>,
 ) -> Result<(Vec<Arc<dyn PhysicalExpr>>, String)> {
+    let ProbeColumns {
+        shipped,
+        table_schema,
+        distinct_bounds,
+    } = probe;
     let table_column = |index: usize| -> Option<Arc<dyn PhysicalExpr>> {
         let table_index = *shipped.get(index)?;
         Some(Arc::new(Column::new(
@@ -363,9 +413,19 @@ fn build(
             let dense = summary.bounds.iter().any(|(other, low, high)| {
                 other == index && integer_span(low, high) == Some(keys as u64)
             });
+            let bound = distinct_bounds.get(*index).copied().flatten();
             if dense {
                 // Every integer in the range is a key: the range says it all.
                 parts.push(format!("dense ({keys} keys = the range)"));
+            } else if let Some(bound) =
+                bound.filter(|&bound| keys as f64 >= UNSELECTIVE_KEYS_RATIO * bound as f64)
+            {
+                // About every value the probe column takes is a key: a
+                // membership test would cost the storage nodes and keep
+                // nearly every row.
+                parts.push(format!(
+                    "unselective ({keys} keys of at most {bound} values): no membership test"
+                ));
             } else if keys <= settings.list_max {
                 let list = (0..keys)
                     .map(|row| Ok(lit(ScalarValue::try_from_array(&members, row)?)))
@@ -434,7 +494,16 @@ mod tests {
         let filter: Arc<dyn PhysicalExpr> = Arc::new(BinaryExpr::new(bounds, Operator::And, list));
         let summary = summarize(&filter).unwrap();
         // Scan output column 0 is table column 1.
-        let (conjuncts, description) = build(&summary, &settings(), &[1], &schema).unwrap();
+        let (conjuncts, description) = build(
+            &summary,
+            &settings(),
+            ProbeColumns {
+                shipped: &[1],
+                table_schema: &schema,
+                distinct_bounds: &[None],
+            },
+        )
+        .unwrap();
         assert_eq!(description, "range [5, 9] + list (3 keys)");
         assert_eq!(conjuncts.len(), 3);
         assert!(conjuncts.iter().all(|c| format!("{c}").contains("k@1")));
@@ -475,7 +544,16 @@ mod tests {
             .unwrap(),
         );
         let summary = summarize(&case).unwrap();
-        let (conjuncts, description) = build(&summary, &settings(), &[0], &schema).unwrap();
+        let (conjuncts, description) = build(
+            &summary,
+            &settings(),
+            ProbeColumns {
+                shipped: &[0],
+                table_schema: &schema,
+                distinct_bounds: &[None],
+            },
+        )
+        .unwrap();
         assert!(
             description.starts_with("range [0, 109] + bloom (20 keys"),
             "{description}"

@@ -43,7 +43,7 @@ use sieve_fragment::{FragmentEnvelope, IpcCodec};
 use crate::build_keys::BuildKeys;
 use crate::client::SlicePart;
 use crate::estimate::filtered_statistics;
-use crate::join_filter::{resolve, JoinFilterSettings, JoinFilterSlot};
+use crate::join_filter::{resolve, JoinFilterSettings, JoinFilterSlot, ProbeColumns};
 use crate::{ClusterCatalog, ClusterSlice, ClusterTable, Traffic};
 
 /// A scan whose filter and projection run on the storage nodes.
@@ -292,6 +292,13 @@ impl SieveScanExec {
         let index = key
             .downcast_ref::<datafusion::physical_expr::expressions::Column>()?
             .index();
+        self.column_distinct_bound(index)
+    }
+
+    /// An upper bound on the distinct values scan output column `index`
+    /// takes in this table (before any filter), from the slices' distinct
+    /// counts and, for integers, the column's range.
+    pub fn column_distinct_bound(&self, index: usize) -> Option<u64> {
         let column = *self.shipped.get(index)?;
         let summed: Option<u64> = self
             .table
@@ -671,6 +678,9 @@ impl ExecutionPlan for SieveScanExec {
             .as_ref()
             .map(|pushed| Arc::clone(&pushed.plan));
         let resolved_body = Arc::clone(&self.resolved_body);
+        let distinct_bounds: Vec<Option<u64>> = (0..self.shipped.len())
+            .map(|index| self.column_distinct_bound(index))
+            .collect();
         let body = async move {
             if join_filters.iter().all(|slot| slot.source.is_none()) {
                 return Ok(base_body);
@@ -679,8 +689,13 @@ impl ExecutionPlan for SieveScanExec {
             let resolved = resolved_body
                 .get_or_init(|| async move {
                     let resolve = async {
+                        let probe = ProbeColumns {
+                            shipped: &shipped,
+                            table_schema: &table.schema,
+                            distinct_bounds: &distinct_bounds,
+                        };
                         let (conjuncts, descriptions) =
-                            resolve(&join_filters, &join_settings, &shipped, &table.schema).await?;
+                            resolve(&join_filters, &join_settings, probe).await?;
                         *resolved_out.lock().expect("never poisoned") = descriptions;
                         if conjuncts.is_empty() {
                             return Ok(base_body);

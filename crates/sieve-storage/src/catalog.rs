@@ -164,7 +164,15 @@ fn open_slice(
     let bytes = file.metadata()?.len();
     let options = ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Required);
     let reader_metadata = ArrowReaderMetadata::load(&file, options)?;
-    let schema = Arc::clone(reader_metadata.schema());
+    // The schema without the file's key-value metadata: that describes one
+    // slice (its distinct counts), not the table.
+    let schema = Arc::new(
+        reader_metadata
+            .schema()
+            .as_ref()
+            .clone()
+            .with_metadata(Default::default()),
+    );
     let metadata = Arc::clone(reader_metadata.metadata());
     if schema
         .fields()
