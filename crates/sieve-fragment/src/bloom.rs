@@ -16,9 +16,10 @@ use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use arrow::array::{Array, ArrayRef, BooleanArray};
+use arrow::array::{Array, ArrayRef, AsArray, BooleanArray};
+use arrow::buffer::BooleanBuffer;
 use arrow::compute::cast;
-use arrow::datatypes::{DataType, Schema};
+use arrow::datatypes::{DataType, Date32Type, Date64Type, Int32Type, Int64Type, Schema};
 use arrow::record_batch::RecordBatch;
 use arrow::row::{RowConverter, SortField};
 use datafusion::common::{internal_err, plan_err, DataFusionError, Result, ScalarValue};
@@ -142,15 +143,41 @@ impl BloomFilterExpr {
         } else {
             cast(values, &self.data_type)?
         };
-        let converter = RowConverter::new(vec![SortField::new(self.data_type.clone())])?;
-        let rows = converter.convert_columns(std::slice::from_ref(&values))?;
-        Ok((0..values.len())
-            .map(|index| {
-                values
-                    .is_valid(index)
-                    .then(|| self.filter.check(rows.row(index).as_ref()))
-            })
-            .collect())
+        // Integer keys: their row encoding (a valid byte, then big-endian
+        // with the sign bit flipped) is written in place, without a row
+        // converter's allocations.
+        let matched = match values.data_type() {
+            DataType::Int32 | DataType::Date32 => {
+                let native: &[i32] = match values.data_type() {
+                    DataType::Int32 => values.as_primitive::<Int32Type>().values(),
+                    _ => values.as_primitive::<Date32Type>().values(),
+                };
+                BooleanBuffer::collect_bool(values.len(), |index| {
+                    let mut encoded = [1u8; 5];
+                    encoded[1..].copy_from_slice(&(native[index] as u32 ^ (1 << 31)).to_be_bytes());
+                    self.filter.check(&encoded[..])
+                })
+            }
+            DataType::Int64 | DataType::Date64 => {
+                let native: &[i64] = match values.data_type() {
+                    DataType::Int64 => values.as_primitive::<Int64Type>().values(),
+                    _ => values.as_primitive::<Date64Type>().values(),
+                };
+                BooleanBuffer::collect_bool(values.len(), |index| {
+                    let mut encoded = [1u8; 9];
+                    encoded[1..].copy_from_slice(&(native[index] as u64 ^ (1 << 63)).to_be_bytes());
+                    self.filter.check(&encoded[..])
+                })
+            }
+            _ => {
+                let converter = RowConverter::new(vec![SortField::new(self.data_type.clone())])?;
+                let rows = converter.convert_columns(std::slice::from_ref(&values))?;
+                BooleanBuffer::collect_bool(values.len(), |index| {
+                    self.filter.check(rows.row(index).as_ref())
+                })
+            }
+        };
+        Ok(BooleanArray::new(matched, values.logical_nulls()))
     }
 }
 
@@ -241,5 +268,80 @@ impl PhysicalExpr for BloomFilterExpr {
 
     fn fmt_sql(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(formatter, "{self}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Date32Array, Int32Array, Int64Array, StringArray};
+    use datafusion::physical_expr::expressions::Column;
+
+    /// The in-place integer encoding must hash exactly what the row format
+    /// does (the build side inserts through the row format).
+    #[test]
+    fn integer_fast_path_agrees_with_the_row_format() {
+        let cases: Vec<(DataType, ArrayRef, ArrayRef)> = vec![
+            (
+                DataType::Int64,
+                Arc::new(Int64Array::from(vec![-5, 0, 7, i64::MAX, i64::MIN])),
+                Arc::new(Int64Array::from(vec![
+                    Some(-5),
+                    None,
+                    Some(7),
+                    Some(8),
+                    Some(i64::MIN),
+                ])),
+            ),
+            (
+                DataType::Int32,
+                Arc::new(Int32Array::from(vec![-3, 11, 1 << 20])),
+                Arc::new(Int32Array::from(vec![
+                    Some(-3),
+                    Some(12),
+                    None,
+                    Some(1 << 20),
+                ])),
+            ),
+            (
+                DataType::Date32,
+                Arc::new(Date32Array::from(vec![9000, 9500])),
+                Arc::new(Date32Array::from(vec![Some(9000), Some(9001), Some(9500)])),
+            ),
+            (
+                DataType::Utf8,
+                Arc::new(StringArray::from(vec!["a", "bc"])),
+                Arc::new(StringArray::from(vec![
+                    Some("a"),
+                    Some("zz"),
+                    None,
+                    Some("bc"),
+                ])),
+            ),
+        ];
+        for (data_type, keys, probe) in cases {
+            let bloom = BloomFilterExpr::try_new(
+                Arc::new(Column::new("k", 0)),
+                data_type.clone(),
+                &keys,
+                0.0001,
+            )
+            .unwrap();
+            let matched = bloom.probe(&probe).unwrap();
+            let converter = RowConverter::new(vec![SortField::new(data_type.clone())]).unwrap();
+            let rows = converter
+                .convert_columns(std::slice::from_ref(&probe))
+                .unwrap();
+            for index in 0..probe.len() {
+                let expected = probe
+                    .is_valid(index)
+                    .then(|| bloom.filter.check(rows.row(index).as_ref()));
+                let actual = matched.is_valid(index).then(|| matched.value(index));
+                assert_eq!(actual, expected, "{data_type} row {index}");
+            }
+            // Every key is found (no false negatives).
+            let all = bloom.probe(&keys).unwrap();
+            assert!(all.iter().all(|found| found == Some(true)), "{data_type}");
+        }
     }
 }
