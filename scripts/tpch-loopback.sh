@@ -5,7 +5,8 @@
 #
 #   scripts/tpch-loopback.sh [SF] [RUNS] [extra `sieve demo` arguments...]
 #
-# SIEVE_IPC_COMPRESSION=zstd|lz4|none picks the storage nodes' IPC codec;
+# SIEVE_IPC_COMPRESSION=auto|zstd|lz4|none picks the storage nodes' IPC codec (auto:
+# none for a compute node on the same host, zstd across a network);
 # SIEVE_STORAGE_ARGS adds arguments to `sieve storage` (e.g. --late-materialization).
 # Builds the release binary, generates the data into sieve-data/tpch-sfSF if
 # missing, and stops the storage nodes on exit (also on Ctrl-C or failure).
@@ -31,7 +32,7 @@ urls=()
 for node in 0 1 2; do
   "$SIEVE" storage --data "$DATA/node-$node" \
     --listen "127.0.0.1:$((50151 + node))" --range-listen "127.0.0.1:$((50161 + node))" \
-    --ipc-compression "${SIEVE_IPC_COMPRESSION:-zstd}" ${SIEVE_STORAGE_ARGS:-} &
+    --ipc-compression "${SIEVE_IPC_COMPRESSION:-auto}" ${SIEVE_STORAGE_ARGS:-} &
   pids+=($!)
   urls+=("http://127.0.0.1:$((50151 + node))")
 done
