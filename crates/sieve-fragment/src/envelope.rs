@@ -19,7 +19,7 @@ use crate::{check_allowed, check_plan_allowed, SieveCodec};
 /// The only fragment version this build speaks. A storage node refuses any
 /// other, so a compute node and a storage node of different versions fail
 /// loudly instead of misreading each other.
-pub const FRAGMENT_VERSION: u32 = 1;
+pub const FRAGMENT_VERSION: u32 = 2;
 
 /// Upper bound on an encoded fragment. A TPC-H predicate encodes to a few
 /// kilobytes; an IN list of ten thousand keys to well under a megabyte. Larger
