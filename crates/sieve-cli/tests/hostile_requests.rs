@@ -102,6 +102,16 @@ fn valid_ticket(schema: &arrow::datatypes::Schema) -> Vec<u8> {
     FragmentEnvelope::new("region", 1, body).encode_to_vec()
 }
 
+/// Send `ticket` and check the node refuses it with `code` and a message
+/// containing `text`.
+async fn assert_refused(fixture: &mut Fixture, ticket: Vec<u8>, code: Code, text: &str) {
+    let status = status_of(&mut fixture.client, ticket)
+        .await
+        .expect("refused");
+    assert_eq!(status.code(), code, "{status:?}");
+    assert!(status.message().contains(text), "{status:?}");
+}
+
 async fn assert_still_serving(fixture: &mut Fixture) {
     let listed = fixture
         .client
@@ -120,37 +130,31 @@ async fn assert_still_serving(fixture: &mut Fixture) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_fragment_is_refused() {
     let mut fixture = fixture().await;
-    let status = status_of(&mut fixture.client, vec![0xff, 0x13, 0x37, 0x00, 0x42])
-        .await
-        .expect("refused");
-    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
-    assert!(
-        status.message().contains("malformed NDP fragment"),
-        "{status:?}"
-    );
+    assert_refused(
+        &mut fixture,
+        vec![0xff, 0x13, 0x37, 0x00, 0x42],
+        Code::InvalidArgument,
+        "malformed NDP fragment",
+    )
+    .await;
 
     let mut envelope = FragmentEnvelope::new("region", 1, vec![1, 2, 3]);
     envelope.version = 99;
-    let status = status_of(&mut fixture.client, envelope.encode_to_vec())
-        .await
-        .expect("refused");
-    assert_eq!(status.code(), Code::InvalidArgument);
-    assert!(
-        status.message().contains("version 99 is not supported"),
-        "{status:?}"
-    );
-
-    let status = status_of(
-        &mut fixture.client,
-        FragmentEnvelope::new("region", 1, vec![0xff; 7]).encode_to_vec(),
+    assert_refused(
+        &mut fixture,
+        envelope.encode_to_vec(),
+        Code::InvalidArgument,
+        "version 99 is not supported",
     )
-    .await
-    .expect("refused");
-    assert_eq!(status.code(), Code::InvalidArgument);
-    assert!(
-        status.message().contains("malformed NDP fragment body"),
-        "{status:?}"
-    );
+    .await;
+
+    assert_refused(
+        &mut fixture,
+        FragmentEnvelope::new("region", 1, vec![0xff; 7]).encode_to_vec(),
+        Code::InvalidArgument,
+        "malformed NDP fragment body",
+    )
+    .await;
     assert_still_serving(&mut fixture).await;
 }
 
@@ -188,16 +192,13 @@ async fn fragment_with_a_disallowed_function_is_refused() {
         ),
     };
     let ticket = FragmentEnvelope::new("region", 1, body.encode_to_vec()).encode_to_vec();
-    let status = status_of(&mut fixture.client, ticket)
-        .await
-        .expect("refused");
-    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
-    assert!(
-        status
-            .message()
-            .contains("function random() is not allowed"),
-        "{status:?}"
-    );
+    assert_refused(
+        &mut fixture,
+        ticket,
+        Code::InvalidArgument,
+        "function random() is not allowed",
+    )
+    .await;
     assert_still_serving(&mut fixture).await;
 }
 
@@ -205,19 +206,13 @@ async fn fragment_with_a_disallowed_function_is_refused() {
 async fn unknown_table_is_refused() {
     let mut fixture = fixture().await;
     let body = first_column(&fixture.schema);
-    let status = status_of(
-        &mut fixture.client,
+    assert_refused(
+        &mut fixture,
         FragmentEnvelope::new("../../etc/passwd", 1, body).encode_to_vec(),
+        Code::NotFound,
+        "table '../../etc/passwd' is not held by this storage node",
     )
-    .await
-    .expect("refused");
-    assert_eq!(status.code(), Code::NotFound, "{status:?}");
-    assert!(
-        status
-            .message()
-            .contains("table '../../etc/passwd' is not held by this storage node"),
-        "{status:?}"
-    );
+    .await;
     assert_still_serving(&mut fixture).await;
 }
 
@@ -225,19 +220,13 @@ async fn unknown_table_is_refused() {
 async fn slice_outside_the_catalog_is_refused() {
     let mut fixture = fixture().await;
     let body = first_column(&fixture.schema);
-    let status = status_of(
-        &mut fixture.client,
+    assert_refused(
+        &mut fixture,
         FragmentEnvelope::new("region", 4242, body).encode_to_vec(),
+        Code::NotFound,
+        "slice 4242 of table 'region' is not held",
     )
-    .await
-    .expect("refused");
-    assert_eq!(status.code(), Code::NotFound, "{status:?}");
-    assert!(
-        status
-            .message()
-            .contains("slice 4242 of table 'region' is not held"),
-        "{status:?}"
-    );
+    .await;
 
     // A fragment planned against another schema is refused too.
     let other = arrow::datatypes::Schema::new(vec![arrow::datatypes::Field::new(
@@ -246,14 +235,13 @@ async fn slice_outside_the_catalog_is_refused() {
         false,
     )]);
     let body = first_column(&other);
-    let status = status_of(
-        &mut fixture.client,
+    assert_refused(
+        &mut fixture,
         FragmentEnvelope::new("region", 1, body).encode_to_vec(),
+        Code::InvalidArgument,
+        "another schema",
     )
-    .await
-    .expect("refused");
-    assert_eq!(status.code(), Code::InvalidArgument);
-    assert!(status.message().contains("another schema"), "{status:?}");
+    .await;
     assert_still_serving(&mut fixture).await;
 }
 
@@ -264,16 +252,13 @@ async fn row_group_outside_the_slice_is_refused() {
     let ticket = FragmentEnvelope::new("region", 1, body)
         .with_row_groups(vec![0, 4_000_000_000])
         .encode_to_vec();
-    let status = status_of(&mut fixture.client, ticket)
-        .await
-        .expect("refused");
-    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
-    assert!(
-        status
-            .message()
-            .contains("row group 4000000000 of slice 1 of region does not exist"),
-        "{status:?}"
-    );
+    assert_refused(
+        &mut fixture,
+        ticket,
+        Code::InvalidArgument,
+        "row group 4000000000 of slice 1 of region does not exist",
+    )
+    .await;
     assert_still_serving(&mut fixture).await;
 }
 
@@ -283,14 +268,13 @@ async fn unknown_ipc_codec_is_refused_and_each_known_one_is_served() {
     let body = first_column(&fixture.schema);
     let mut envelope = FragmentEnvelope::new("region", 1, body);
     envelope.ipc_codec = 77;
-    let status = status_of(&mut fixture.client, envelope.encode_to_vec())
-        .await
-        .expect("refused");
-    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
-    assert!(
-        status.message().contains("unknown IPC codec 77"),
-        "{status:?}"
-    );
+    assert_refused(
+        &mut fixture,
+        envelope.encode_to_vec(),
+        Code::InvalidArgument,
+        "unknown IPC codec 77",
+    )
+    .await;
     for codec in [
         IpcCodec::Auto,
         IpcCodec::None,

@@ -385,45 +385,65 @@ impl PhysicalExpr for BloomFilterExpr {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arrow::array::{Date32Array, Int32Array, Int64Array, StringArray, UInt64Array};
+    use arrow::array::{Int64Array, StringArray};
     use datafusion::physical_expr::expressions::Column;
 
     /// Every key is found (no false negatives), NULL stays NULL, and the
     /// false-positive rate is near what the filter was sized for.
     #[test]
     fn keys_are_found_nulls_stay_null_and_false_positives_are_rare() {
-        let cases: Vec<(DataType, ArrayRef, ArrayRef)> = vec![
-            (
-                DataType::Int64,
-                Arc::new(Int64Array::from_iter_values((0..20_000).map(|v| v * 3 - 7))),
-                Arc::new(Int64Array::from(vec![Some(-7), None, Some(i64::MIN)])),
-            ),
-            (
-                DataType::Int32,
-                Arc::new(Int32Array::from_iter_values((0..20_000).map(|v| v * 3))),
-                Arc::new(Int32Array::from(vec![Some(3), None, Some(1 << 30)])),
-            ),
-            (
-                DataType::UInt64,
-                Arc::new(UInt64Array::from_iter_values(
-                    (0..20_000).map(|v| v * 3 + u64::MAX / 2),
-                )),
-                Arc::new(UInt64Array::from(vec![Some(u64::MAX / 2), None, Some(1)])),
-            ),
-            (
-                DataType::Date32,
-                Arc::new(Date32Array::from_iter_values((0..20_000).map(|v| v * 3))),
-                Arc::new(Date32Array::from(vec![Some(0), None, Some(1)])),
-            ),
-            (
-                DataType::Utf8,
-                Arc::new(StringArray::from_iter_values(
-                    (0..20_000).map(|v| format!("k{}", v * 3)),
-                )),
-                Arc::new(StringArray::from(vec![Some("k0"), None, Some("zz")])),
-            ),
-        ];
-        for (data_type, keys, probe) in cases {
+        const N: i64 = 20_000;
+        // Keys are every third value, `absent` the values in between.
+        let integers = |offset: i64, data_type: &DataType| -> ArrayRef {
+            let values: ArrayRef =
+                Arc::new(Int64Array::from_iter_values((0..N).map(|v| v * 3 + offset)));
+            cast(&values, data_type).unwrap()
+        };
+        // (type, keys, absent values, probe with a key, a NULL and anything)
+        let mut cases: Vec<(DataType, ArrayRef, ArrayRef, ArrayRef)> = Vec::new();
+        for data_type in [
+            DataType::Int64,
+            DataType::Int32,
+            DataType::UInt64,
+            DataType::Date32,
+        ] {
+            let probe = cast(
+                &(Arc::new(Int64Array::from(vec![Some(0), None, Some(1 << 30)])) as ArrayRef),
+                &data_type,
+            )
+            .unwrap();
+            cases.push((
+                data_type.clone(),
+                integers(0, &data_type),
+                integers(1, &data_type),
+                probe,
+            ));
+        }
+        cases.push((
+            DataType::Int64,
+            Arc::new(Int64Array::from_iter_values(
+                (0..N).map(|v| v * 3 + i64::MAX / 2),
+            )),
+            Arc::new(Int64Array::from_iter_values(
+                (0..N).map(|v| v * 3 + 1 - i64::MAX / 2),
+            )),
+            Arc::new(Int64Array::from(vec![
+                Some(i64::MAX / 2),
+                None,
+                Some(i64::MIN),
+            ])),
+        ));
+        cases.push((
+            DataType::Utf8,
+            Arc::new(StringArray::from_iter_values(
+                (0..N).map(|v| format!("k{}", v * 3)),
+            )),
+            Arc::new(StringArray::from_iter_values(
+                (0..N).map(|v| format!("k{}", v * 3 + 1)),
+            )),
+            Arc::new(StringArray::from(vec![Some("k0"), None, Some("zz")])),
+        ));
+        for (data_type, keys, absent, probe) in cases {
             let bloom = BloomFilterExpr::try_new(
                 Arc::new(Column::new("k", 0)),
                 data_type.clone(),
@@ -436,31 +456,10 @@ mod tests {
             let matched = bloom.probe(&probe).unwrap();
             assert!(matched.value(0), "{data_type}");
             assert!(matched.is_null(1), "{data_type}");
-            // Values never inserted: every third value is a key, the others not.
-            let absent: ArrayRef = match &data_type {
-                DataType::Utf8 => Arc::new(StringArray::from_iter_values(
-                    (0..20_000).map(|v| format!("k{}", v * 3 + 1)),
-                )),
-                _ => cast(
-                    &(Arc::new(Int64Array::from_iter_values((0..20_000).map(|v| v * 3 + 1)))
-                        as ArrayRef),
-                    &data_type,
-                )
-                .unwrap(),
-            };
-            let absent = if data_type == DataType::UInt64 {
-                Arc::new(UInt64Array::from_iter_values(
-                    (0..20_000).map(|v| v * 3 + 1 + u64::MAX / 2),
-                )) as ArrayRef
-            } else if data_type == DataType::Int64 {
-                Arc::new(Int64Array::from_iter_values((0..20_000).map(|v| v * 3 - 6))) as ArrayRef
-            } else {
-                absent
-            };
             let false_positives = bloom.probe(&absent).unwrap().true_count();
             assert!(
-                false_positives < 20_000 / 25,
-                "{data_type}: {false_positives} false positives of 20000 at fpp 0.01"
+                false_positives < N as usize / 25,
+                "{data_type}: {false_positives} false positives of {N} at fpp 0.01"
             );
         }
     }
