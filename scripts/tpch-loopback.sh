@@ -6,7 +6,7 @@
 #   scripts/tpch-loopback.sh [SF] [RUNS] [extra `sieve demo` arguments...]
 #
 # SIEVE_IPC_COMPRESSION=auto|zstd|lz4|none picks the storage nodes' IPC codec (auto:
-# none for a compute node on the same host, zstd across a network);
+# lz4 for a compute node on the same host, zstd across a network);
 # SIEVE_STORAGE_ARGS adds arguments to `sieve storage` (e.g. --late-materialization).
 # Builds the release binary, generates the data into sieve-data/tpch-sfSF if
 # missing, and stops the storage nodes on exit (also on Ctrl-C or failure).

@@ -83,7 +83,7 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1:50061")]
         range_listen: SocketAddr,
         /// Codec of shipped Arrow IPC buffers unless a request asks for one:
-        /// auto (none for a compute node on this host, zstd across a
+        /// auto (lz4 for a compute node on this host, zstd across a
         /// network), zstd (fewest bytes), lz4, none (least CPU).
         #[arg(long, default_value = "auto")]
         ipc_compression: String,

@@ -18,7 +18,7 @@ extensions_options! {
         /// scan reads ahead of its consumer.
         pub slices_in_flight: usize, default = 4
         /// Codec of the Arrow IPC batches the storage nodes ship: `auto`
-        /// (the node's choice: none for a peer on its host, zstd across a
+        /// (the node's choice: lz4 for a peer on its host, zstd across a
         /// network), `none`, `lz4` or `zstd`.
         pub ipc_compression: String, default = "auto".to_string()
         /// Push partial aggregations into fragments where statistics say

@@ -52,11 +52,12 @@ pub struct FragmentEnvelope {
 }
 
 /// Codec of the Arrow IPC buffers a storage node ships. Compression trades
-/// CPU on both ends for bytes on the link: worth it on a network, pure cost
-/// when compute and storage share a host (loopback runs at memory speed).
+/// CPU on both ends for bytes on the link: zstd is worth its CPU on a
+/// network; on a host's own loopback only LZ4 is cheap enough (TPC-H SF 1:
+/// 2.6x fewer bytes than none for about 2% more wall time).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum IpcCodec {
-    /// No compression for a peer on the same host (loopback), zstd otherwise.
+    /// LZ4 for a peer on the same host (loopback), zstd otherwise.
     #[default]
     Auto,
     /// Uncompressed buffers.
@@ -104,7 +105,7 @@ impl IpcCodec {
     /// this host, which only matters for [`IpcCodec::Auto`].
     pub fn resolve(self, loopback: bool) -> Option<arrow::ipc::CompressionType> {
         match self {
-            Self::Auto if loopback => None,
+            Self::Auto if loopback => Some(arrow::ipc::CompressionType::LZ4_FRAME),
             Self::Auto | Self::Zstd => Some(arrow::ipc::CompressionType::ZSTD),
             Self::None => None,
             Self::Lz4 => Some(arrow::ipc::CompressionType::LZ4_FRAME),

@@ -56,7 +56,7 @@ pub struct ExecuteOptions {
     pub fragment_cache_entries_max: usize,
     /// Codec of the shipped Arrow IPC buffers when the request leaves it to
     /// the node: zstd ships least (below the stored Parquet), LZ4 costs less
-    /// CPU, none least CPU of all; auto is none for a peer on this host and
+    /// CPU, none least CPU of all; auto is LZ4 for a peer on this host and
     /// zstd for one across a network.
     pub ipc_compression: IpcCodec,
 }
