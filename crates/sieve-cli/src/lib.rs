@@ -4,9 +4,11 @@
 //!   loopback ports (real Flight over TCP);
 //! - [`queries`]: the 22 TPC-H queries (standard text, validation parameters);
 //! - [`demo`]: the embedded default: TPC-H with NDP on and off, side by side;
-//! - [`compare`]: result comparison against plain DataFusion.
+//! - [`compare`]: result comparison against plain DataFusion;
+//! - [`bench`]: `sieve bench`, NDP on, NDP off and DuckDB over an emulated link.
 #![deny(missing_docs)]
 
+pub mod bench;
 pub mod cluster;
 pub mod compare;
 pub mod demo;

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use datafusion::common::Result;
+use sieve_cli::bench::{run_bench, BenchOptions, LinkSpec, Mode};
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::demo::{ensure_data, format_table, run_demo, DemoOptions};
 use sieve_compute::connect_session;
@@ -70,6 +71,45 @@ enum Command {
         /// Rows per data page at most.
         #[arg(long, default_value_t = SliceLayout::default().data_page_rows_max)]
         page_rows: usize,
+    },
+    /// Benchmark NDP on, NDP off and DuckDB side by side over an emulated link
+    /// (one network namespace per storage node, shaped with tc; root only,
+    /// plain loopback otherwise). Prints a Markdown table and writes
+    /// results.json, report.md and charts (SVG, PNG) to --out.
+    Bench {
+        /// Benchmark: `tpch`.
+        benchmark: String,
+        /// Scale factor.
+        #[arg(long, default_value_t = 1.0)]
+        sf: f64,
+        /// Storage nodes, each a process in its own namespace.
+        #[arg(long, default_value_t = 3)]
+        nodes: usize,
+        /// Link rate between compute and each storage node, as tc spells it
+        /// (1gbit, 10gbit, 500mbit), or `loopback` for no emulation.
+        #[arg(long, default_value = "1gbit")]
+        link: String,
+        /// One-way delay added in each direction, ms (needs the kernel's netem).
+        #[arg(long, default_value_t = 0.0)]
+        delay: f64,
+        /// Timed runs per query and mode (after one warm-up when more than one).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Only these queries (e.g. --query q1 --query q6).
+        #[arg(long = "query")]
+        queries: Vec<String>,
+        /// Modes to compare, in order: ndp, off, duckdb.
+        #[arg(long, value_delimiter = ',', default_value = "ndp,off,duckdb")]
+        modes: Vec<String>,
+        /// Data directory (data in DIR/tpch-sfX, DuckDB's environment beside it).
+        #[arg(long, default_value = "sieve-data")]
+        data: PathBuf,
+        /// Where results.json, report.md, the charts and node logs go.
+        #[arg(long, default_value = "bench-results")]
+        out: PathBuf,
+        /// A session setting for the Sieve modes, e.g. --set sieve.join_filters=false.
+        #[arg(long = "set")]
+        settings: Vec<String>,
     },
     /// Run a storage node over one data directory.
     Storage {
@@ -176,6 +216,43 @@ async fn run(cli: Cli) -> Result<()> {
             let warmup = if runs > 1 { " after a warm-up" } else { "" };
             println!("TPC-H SF {sf} on {where_}, median of {runs} run(s){warmup}");
             println!("{}", format_table(&reports));
+            Ok(())
+        }
+        Command::Bench {
+            benchmark,
+            sf,
+            nodes,
+            link,
+            delay,
+            runs,
+            queries,
+            modes,
+            data,
+            out,
+            settings,
+        } => {
+            let options = BenchOptions {
+                benchmark,
+                scale_factor: sf,
+                nodes,
+                link: LinkSpec::parse(&link, delay)?,
+                runs,
+                queries,
+                modes: modes
+                    .iter()
+                    .map(|mode| Mode::parse(mode))
+                    .collect::<Result<_>>()?,
+                data_directory: data,
+                out_directory: out.clone(),
+                settings,
+                sieve_binary: std::env::current_exe()?,
+            };
+            let report = run_bench(&options).await?;
+            println!("{}", report.markdown());
+            println!(
+                "raw measurements: {0}/results.json; charts: {0}/speedup.svg|png, {0}/bytes.svg|png",
+                out.display()
+            );
             Ok(())
         }
         Command::Gen {

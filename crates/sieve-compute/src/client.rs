@@ -92,6 +92,31 @@ impl StorageClient {
         &self.url
     }
 
+    /// The node's running totals (the `stats` Flight action): slices
+    /// served, fragment bytes read, rows scanned and returned, byte-range
+    /// bytes served.
+    pub async fn stats(&self) -> Result<serde_json::Value> {
+        let mut client = self.client.clone();
+        let action = arrow_flight::Action::new("stats", "");
+        let mut results = client
+            .do_action(action)
+            .await
+            .map_err(|status| exec_datafusion_err!("stats from {}: {status}", self.url))?
+            .into_inner();
+        let Some(result) = results
+            .message()
+            .await
+            .map_err(|status| exec_datafusion_err!("stats from {}: {status}", self.url))?
+        else {
+            return Err(exec_datafusion_err!(
+                "stats from {}: empty answer",
+                self.url
+            ));
+        };
+        serde_json::from_slice(&result.body)
+            .map_err(|error| exec_datafusion_err!("stats from {}: {error}", self.url))
+    }
+
     /// The tables this node holds (Flight `ListFlights`).
     pub(crate) async fn list_tables(&self) -> Result<Vec<NodeTable>> {
         let mut client = self.client.clone();

@@ -15,7 +15,7 @@ use object_store::http::HttpBuilder;
 use object_store::path::Path;
 use object_store::{
     ClientOptions, CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta,
-    ObjectStore, PutMultipartOptions, PutOptions, PutPayload, PutResult,
+    ObjectStore, ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
 };
 
 use crate::Traffic;
@@ -113,12 +113,25 @@ impl ObjectStore for ClusterRangeStore {
         location: &Path,
         ranges: &[Range<u64>],
     ) -> object_store::Result<Vec<Bytes>> {
+        // Coalesce nearby ranges as object_store's own get_ranges does, but
+        // count the bytes of each request actually made: the gaps between
+        // coalesced ranges cross the link too (at SF 0.01, 65% more than
+        // the ranges asked for).
         let (store, path) = self.route(location)?;
-        let parts = store.get_ranges(&path, ranges).await?;
-        for part in &parts {
-            self.traffic.add_range_response(part.len() as u64);
-        }
-        Ok(parts)
+        let traffic = &self.traffic;
+        object_store::coalesce_ranges(
+            ranges,
+            |range| {
+                let (store, path) = (store, &path);
+                async move {
+                    let bytes = store.get_range(path, range).await?;
+                    traffic.add_range_response(bytes.len() as u64);
+                    Ok::<_, object_store::Error>(bytes)
+                }
+            },
+            object_store::OBJECT_STORE_COALESCE_DEFAULT,
+        )
+        .await
     }
 
     fn delete_stream(

@@ -81,6 +81,48 @@ pub struct SliceExecutor {
     options: ExecuteOptions,
     cache: Mutex<HashMap<(String, u64), Arc<DecodedBody>>>,
     fragments_decoded: AtomicU64,
+    counters: NodeCounters,
+}
+
+/// A storage node's running totals, for the `stats` Flight action: what a
+/// benchmark reads before and after a query to see the node's share.
+#[derive(Debug, Default)]
+pub struct NodeCounters {
+    /// Slices whose fragment ran to the end.
+    pub slices_served: AtomicU64,
+    /// Bytes of slice files those fragments read (pages, indexes, filters).
+    pub fragment_bytes_read: AtomicU64,
+    /// Rows those fragments scanned.
+    pub rows_scanned: AtomicU64,
+    /// Rows they shipped.
+    pub rows_returned: AtomicU64,
+    /// Bytes served by the byte-range endpoint.
+    pub range_bytes_served: Arc<AtomicU64>,
+}
+
+impl NodeCounters {
+    /// Count a slice whose fragment finished.
+    pub fn record(&self, metrics: &SliceMetrics) {
+        self.slices_served.fetch_add(1, Ordering::Relaxed);
+        self.fragment_bytes_read
+            .fetch_add(metrics.bytes_read, Ordering::Relaxed);
+        self.rows_scanned
+            .fetch_add(metrics.rows_scanned, Ordering::Relaxed);
+        self.rows_returned
+            .fetch_add(metrics.rows_returned, Ordering::Relaxed);
+    }
+
+    /// The counters as a JSON object.
+    pub fn to_json(&self) -> serde_json::Value {
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        serde_json::json!({
+            "slices_served": load(&self.slices_served),
+            "fragment_bytes_read": load(&self.fragment_bytes_read),
+            "rows_scanned": load(&self.rows_scanned),
+            "rows_returned": load(&self.rows_returned),
+            "range_bytes_served": load(&self.range_bytes_served),
+        })
+    }
 }
 
 impl SliceExecutor {
@@ -94,7 +136,13 @@ impl SliceExecutor {
             options,
             cache: Mutex::new(HashMap::new()),
             fragments_decoded: AtomicU64::new(0),
+            counters: NodeCounters::default(),
         }
+    }
+
+    /// The node's running totals.
+    pub fn counters(&self) -> &NodeCounters {
+        &self.counters
     }
 
     /// The executor's settings.

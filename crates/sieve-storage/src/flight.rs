@@ -34,6 +34,9 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::SliceExecutor;
 
+/// The Flight action that returns a node's counters ([`crate::NodeCounters`]) as JSON.
+pub const STATS_ACTION: &str = "stats";
+
 /// The Flight service of one storage node.
 #[derive(Debug, Clone)]
 pub struct StorageFlightService {
@@ -207,6 +210,7 @@ impl FlightService for StorageFlightService {
         let batches = FinishingStream {
             inner: Some(slice_stream),
             slot: Arc::clone(&metrics_slot),
+            executor: Arc::clone(&self.executor),
         };
         let batches = AssertUnwindSafe(batches)
             .catch_unwind()
@@ -256,17 +260,30 @@ impl FlightService for StorageFlightService {
         &self,
         request: Request<Action>,
     ) -> Result<Response<Self::DoActionStream>, Status> {
-        Err(Status::unimplemented(format!(
-            "action '{}' is not supported",
-            request.into_inner().r#type
-        )))
+        let action = request.into_inner();
+        match action.r#type.as_str() {
+            STATS_ACTION => {
+                let body = self.executor.counters().to_json().to_string();
+                let result = arrow_flight::Result {
+                    body: body.into_bytes().into(),
+                };
+                Ok(Response::new(Box::pin(stream::once(async { Ok(result) }))))
+            }
+            other => Err(Status::unimplemented(format!(
+                "action '{other}' is not supported (known: {STATS_ACTION})"
+            ))),
+        }
     }
 
     async fn list_actions(
         &self,
         _request: Request<Empty>,
     ) -> Result<Response<Self::ListActionsStream>, Status> {
-        Ok(Response::new(Box::pin(stream::empty())))
+        let stats = ActionType {
+            r#type: STATS_ACTION.to_string(),
+            description: "the node's running totals as JSON: slices served, fragment bytes read, rows scanned and returned, byte-range bytes served".to_string(),
+        };
+        Ok(Response::new(Box::pin(stream::once(async { Ok(stats) }))))
     }
 
     async fn do_exchange(
@@ -282,6 +299,7 @@ impl FlightService for StorageFlightService {
 struct FinishingStream {
     inner: Option<crate::execute::SliceStream>,
     slot: Arc<Mutex<Option<SliceMetrics>>>,
+    executor: Arc<SliceExecutor>,
 }
 
 impl Stream for FinishingStream {
@@ -297,7 +315,9 @@ impl Stream for FinishingStream {
         let polled = inner.poll_next_unpin(context);
         if let std::task::Poll::Ready(None) = polled {
             let finished = self.inner.take().expect("checked above");
-            *self.slot.lock().expect("metrics lock is never poisoned") = Some(finished.metrics());
+            let metrics = finished.metrics();
+            self.executor.counters().record(&metrics);
+            *self.slot.lock().expect("metrics lock is never poisoned") = Some(metrics);
         }
         polled
     }

@@ -30,6 +30,6 @@ mod reader;
 
 pub use catalog::{CatalogSlice, CatalogTable, NodeCatalog};
 pub use coarse::MatchHints;
-pub use execute::{ExecuteOptions, SliceExecutor};
-pub use flight::StorageFlightService;
+pub use execute::{ExecuteOptions, NodeCounters, SliceExecutor};
+pub use flight::{StorageFlightService, STATS_ACTION};
 pub use node::{StorageNode, StorageNodeConfig};

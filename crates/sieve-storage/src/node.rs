@@ -54,7 +54,7 @@ impl StorageNode {
         let flight_address = flight_listener.local_addr().map_err(io)?;
         let range_address = range_listener.local_addr().map_err(io)?;
 
-        let range_bytes_served = Arc::new(AtomicU64::new(0));
+        let range_bytes_served = Arc::clone(&executor.counters().range_bytes_served);
         let range_app = router(RangeState {
             catalog: Arc::clone(executor.catalog()),
             bytes_served: Arc::clone(&range_bytes_served),
