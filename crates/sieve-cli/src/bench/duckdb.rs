@@ -26,6 +26,16 @@ const DRIVER: &str = include_str!("duckdb_driver.py");
 /// Create (once) a virtual environment with DuckDB and httpfs in `directory`
 /// and return its Python interpreter.
 pub fn ensure_environment(directory: &Path) -> Result<PathBuf> {
+    // One creator at a time (concurrent harnesses, parallel tests): the
+    // lock is released when the file closes.
+    if let Some(parent) = directory.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    let lock = std::fs::File::create(directory.with_extension("lock"))?;
+    // SAFETY: flock on a file descriptor we own.
+    if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) } != 0 {
+        return exec_err!("cannot lock {}", directory.display());
+    }
     let python = directory.join("bin").join("python");
     let marker = directory.join("sieve-bench-ready");
     let wanted = format!("duckdb=={DUCKDB_VERSION} duckdb-ext-httpfs=={HTTPFS_VERSION}");
