@@ -97,7 +97,13 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, bars: &Bars<'_>) -> Re
         .draw()
         .map_err(|e| error(&e))?;
     for (index, (name, values)) in bars.series.iter().enumerate() {
-        let color = COLORS[index % COLORS.len()];
+        // One colour per mode in every chart, whichever modes it shows.
+        let color = match name.as_str() {
+            "ndp" => COLORS[0],
+            "off" => COLORS[1],
+            "duckdb" => COLORS[2],
+            _ => COLORS[3],
+        };
         chart
             .draw_series(values.iter().enumerate().map(|(category, value)| {
                 let x = category as i32 * width + index as i32;
