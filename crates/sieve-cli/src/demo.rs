@@ -82,15 +82,7 @@ fn median(mut times: Vec<Duration>) -> Duration {
 
 /// CPU time (user + system) of this process so far.
 fn process_cpu() -> Duration {
-    // SAFETY: `usage` is a valid, writable rusage and RUSAGE_SELF a constant.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
-        return Duration::ZERO;
-    }
-    let time = |value: libc::timeval| {
-        Duration::from_secs(value.tv_sec as u64) + Duration::from_micros(value.tv_usec as u64)
-    };
-    time(usage.ru_utime) + time(usage.ru_stime)
+    Duration::from_secs_f64(crate::bench::nodes::own_cpu_seconds())
 }
 
 struct Timed {
@@ -128,18 +120,7 @@ pub async fn run_demo(options: &DemoOptions) -> Result<Vec<QueryReport>> {
         (None, options.cluster.clone())
     };
     let session = connect_session(&urls).await?;
-    for setting in &options.settings {
-        let Some((key, value)) = setting.split_once('=') else {
-            return datafusion::common::plan_err!("--set wants key=value, got '{setting}'");
-        };
-        session
-            .context
-            .state_ref()
-            .write()
-            .config_mut()
-            .options_mut()
-            .set(key.trim(), value.trim())?;
-    }
+    session.apply_settings(&options.settings)?;
     let mut reports = Vec::new();
     for (name, sql) in TPCH_QUERIES {
         if !options.queries.is_empty() && !options.queries.iter().any(|wanted| wanted == name) {

@@ -47,6 +47,22 @@ impl SieveSession {
             .options_mut()
             .set("sieve.ndp", if on { "on" } else { "off" })
     }
+
+    /// Apply `key=value` session settings (the command line's `--set`).
+    pub fn apply_settings(&self, settings: &[String]) -> Result<()> {
+        for setting in settings {
+            let Some((key, value)) = setting.split_once('=') else {
+                return datafusion::common::plan_err!("--set wants key=value, got '{setting}'");
+            };
+            self.context
+                .state_ref()
+                .write()
+                .config_mut()
+                .options_mut()
+                .set(key.trim(), value.trim())?;
+        }
+        Ok(())
+    }
 }
 
 /// Like [`connect_session`], starting from `config`.

@@ -37,6 +37,57 @@ use datafusion::physical_expr::PhysicalExpr;
 /// as a whole is also bounded by [`crate::FRAGMENT_BYTES_MAX`].
 pub const BLOOM_FILTER_BYTES_MAX: usize = 2 * 1024 * 1024;
 
+/// `$body` with `$keys` bound to the values buffer of an integer or date
+/// array (whatever its width), `$other` for any other type: the one place
+/// that says which types hash by value.
+macro_rules! with_integer_keys {
+    ($values:expr, $keys:ident => $body:block, else $other:block) => {
+        match $values.data_type() {
+            DataType::Int8 => {
+                let $keys = $values.as_primitive::<Int8Type>().values();
+                $body
+            }
+            DataType::Int16 => {
+                let $keys = $values.as_primitive::<Int16Type>().values();
+                $body
+            }
+            DataType::Int32 => {
+                let $keys = $values.as_primitive::<Int32Type>().values();
+                $body
+            }
+            DataType::Int64 => {
+                let $keys = $values.as_primitive::<Int64Type>().values();
+                $body
+            }
+            DataType::UInt8 => {
+                let $keys = $values.as_primitive::<UInt8Type>().values();
+                $body
+            }
+            DataType::UInt16 => {
+                let $keys = $values.as_primitive::<UInt16Type>().values();
+                $body
+            }
+            DataType::UInt32 => {
+                let $keys = $values.as_primitive::<UInt32Type>().values();
+                $body
+            }
+            DataType::UInt64 => {
+                let $keys = $values.as_primitive::<UInt64Type>().values();
+                $body
+            }
+            DataType::Date32 => {
+                let $keys = $values.as_primitive::<Date32Type>().values();
+                $body
+            }
+            DataType::Date64 => {
+                let $keys = $values.as_primitive::<Date64Type>().values();
+                $body
+            }
+            _ => $other,
+        }
+    };
+}
+
 /// `input` may be one of the keys the filter was built from.
 #[derive(Clone)]
 pub struct BloomFilterExpr {
@@ -139,6 +190,8 @@ impl BloomFilterExpr {
         &self.data_type
     }
 
+    // `as i64 as u64` widens every integer type the macro binds; for Int64 it is a no-op.
+    #[allow(clippy::unnecessary_cast)]
     fn probe(&self, values: &ArrayRef) -> Result<BooleanArray> {
         let values = if values.data_type() == &self.data_type {
             Arc::clone(values)
@@ -148,31 +201,15 @@ impl BloomFilterExpr {
         let filter = &self.filter;
         // Integers are probed straight from their values buffer, 64 rows
         // per output word; other types through their row encoding.
-        macro_rules! integers {
-            ($type:ty) => {{
-                let keys = values.as_primitive::<$type>().values();
-                BooleanBuffer::collect_bool(keys.len(), |index| {
-                    filter.check(mix(keys[index] as i64 as u64))
-                })
-            }};
-        }
-        let matched = match values.data_type() {
-            DataType::Int8 => integers!(Int8Type),
-            DataType::Int16 => integers!(Int16Type),
-            DataType::Int32 => integers!(Int32Type),
-            DataType::Int64 => integers!(Int64Type),
-            DataType::UInt8 => integers!(UInt8Type),
-            DataType::UInt16 => integers!(UInt16Type),
-            DataType::UInt32 => integers!(UInt32Type),
-            DataType::UInt64 => integers!(UInt64Type),
-            DataType::Date32 => integers!(Date32Type),
-            DataType::Date64 => integers!(Date64Type),
-            _ => {
-                let mut matched = BooleanBufferBuilder::new(values.len());
-                for_each_hash(&values, |_, hash| matched.append(filter.check(hash)))?;
-                matched.finish()
-            }
-        };
+        let matched = with_integer_keys!(values, keys => {
+            BooleanBuffer::collect_bool(keys.len(), |index| {
+                filter.check(mix(keys[index] as i64 as u64))
+            })
+        }, else {
+            let mut matched = BooleanBufferBuilder::new(values.len());
+            for_each_hash(&values, |_, hash| matched.append(filter.check(hash)))?;
+            matched.finish()
+        });
         Ok(BooleanArray::new(matched, values.logical_nulls()))
     }
 }
@@ -291,33 +328,20 @@ fn hash_bytes(bytes: &[u8]) -> u64 {
 
 /// Call `f(row, hash)` for every row of `values` (null rows get some hash;
 /// callers skip them).
+// See `probe` for the cast.
+#[allow(clippy::unnecessary_cast)]
 fn for_each_hash(values: &ArrayRef, mut f: impl FnMut(usize, u64)) -> Result<()> {
-    macro_rules! integers {
-        ($type:ty) => {
-            for (index, value) in values.as_primitive::<$type>().values().iter().enumerate() {
-                f(index, mix(*value as i64 as u64));
-            }
-        };
-    }
-    match values.data_type() {
-        DataType::Int8 => integers!(Int8Type),
-        DataType::Int16 => integers!(Int16Type),
-        DataType::Int32 => integers!(Int32Type),
-        DataType::Int64 => integers!(Int64Type),
-        DataType::UInt8 => integers!(UInt8Type),
-        DataType::UInt16 => integers!(UInt16Type),
-        DataType::UInt32 => integers!(UInt32Type),
-        DataType::UInt64 => integers!(UInt64Type),
-        DataType::Date32 => integers!(Date32Type),
-        DataType::Date64 => integers!(Date64Type),
-        data_type => {
-            let converter = RowConverter::new(vec![SortField::new(data_type.clone())])?;
-            let rows = converter.convert_columns(std::slice::from_ref(values))?;
-            for (index, row) in rows.iter().enumerate() {
-                f(index, hash_bytes(row.as_ref()));
-            }
+    with_integer_keys!(values, keys => {
+        for (index, value) in keys.iter().enumerate() {
+            f(index, mix(*value as i64 as u64));
         }
-    }
+    }, else {
+        let converter = RowConverter::new(vec![SortField::new(values.data_type().clone())])?;
+        let rows = converter.convert_columns(std::slice::from_ref(values))?;
+        for (index, row) in rows.iter().enumerate() {
+            f(index, hash_bytes(row.as_ref()));
+        }
+    });
     Ok(())
 }
 

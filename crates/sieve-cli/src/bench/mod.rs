@@ -188,18 +188,7 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         .map(|node| node.flight_url.clone())
         .collect();
     let session = connect_session(&urls).await?;
-    for setting in &options.settings {
-        let Some((key, value)) = setting.split_once('=') else {
-            return plan_err!("--set wants key=value, got '{setting}'");
-        };
-        session
-            .context
-            .state_ref()
-            .write()
-            .config_mut()
-            .options_mut()
-            .set(key.trim(), value.trim())?;
-    }
+    session.apply_settings(&options.settings)?;
     let mut duck = match &python {
         Some(python) => {
             let tables: BTreeMap<String, Vec<String>> = session
