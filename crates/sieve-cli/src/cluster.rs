@@ -18,6 +18,11 @@ impl EmbeddedCluster {
     /// Start `nodes` storage nodes over `root/node-0` .. `root/node-{nodes-1}`,
     /// each on free loopback ports.
     pub async fn start(root: &Path, nodes: usize) -> Result<Self> {
+        Self::start_with(root, nodes, ExecuteOptions::default()).await
+    }
+
+    /// Like [`Self::start`], with these executor settings on every node.
+    pub async fn start_with(root: &Path, nodes: usize, execute: ExecuteOptions) -> Result<Self> {
         let loopback: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
         let mut started = Vec::with_capacity(nodes);
         for node in 0..nodes {
@@ -26,7 +31,7 @@ impl EmbeddedCluster {
                     data_directory: node_directory(root, node),
                     flight_address: loopback,
                     range_address: loopback,
-                    execute: ExecuteOptions::default(),
+                    execute: execute.clone(),
                 })
                 .await?,
             );
@@ -40,8 +45,19 @@ impl EmbeddedCluster {
     }
 }
 
-/// TPC-H at `scale_factor` over `nodes` node directories under `root`,
-/// generated if `root` does not hold a complete load of this format version.
+/// Where TPC-H at `scale_factor` with `replicas` copies of each slice lives
+/// under the data directory `data`: `tpch-sfX`, or `tpch-sfX-rR` with replicas.
+pub fn tpch_directory(data: &Path, scale_factor: f64, replicas: usize) -> PathBuf {
+    if replicas > 1 {
+        data.join(format!("tpch-sf{scale_factor}-r{replicas}"))
+    } else {
+        data.join(format!("tpch-sf{scale_factor}"))
+    }
+}
+
+/// TPC-H at `scale_factor` over `nodes` node directories under `root`, each
+/// slice on `replicas` nodes, generated if `root` does not hold a complete
+/// load of this format version, node count and replica count.
 /// Generation goes to a directory of its own and is renamed into place, so
 /// concurrent callers (test processes) never see a partial load: the loser of
 /// the rename discards its copy.
@@ -49,17 +65,18 @@ pub fn generated_tpch(
     root: &Path,
     scale_factor: f64,
     nodes: usize,
+    replicas: usize,
     layout: &SliceLayout,
 ) -> Result<PathBuf> {
-    if is_generated(root) {
+    if is_generated(root, nodes, replicas) {
         return Ok(root.to_path_buf());
     }
     let staging = root.with_extension(format!("staging-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&staging);
-    generate_tpch(&staging, scale_factor, nodes, layout)?;
+    generate_tpch(&staging, scale_factor, nodes, replicas, layout)?;
     if std::fs::rename(&staging, root).is_err() {
         // Another process won, or an old load of another version is in the way.
-        if !is_generated(root) {
+        if !is_generated(root, nodes, replicas) {
             std::fs::remove_dir_all(root)?;
             std::fs::rename(&staging, root)?;
         }

@@ -14,7 +14,8 @@ use sieve_format::{node_directory, TPCH_TABLES};
 use std::sync::Arc;
 
 /// A plain DataFusion session over the same slice files, read locally,
-/// without Sieve: the independent reference for every result.
+/// without Sieve: the independent reference for every result. A replicated
+/// slice is read once.
 pub async fn reference_context(root: &Path, nodes: usize) -> Result<SessionContext> {
     let names: Vec<&str> = TPCH_TABLES.iter().map(|table| table.name).collect();
     reference_context_for(root, nodes, &names).await
@@ -28,16 +29,28 @@ pub async fn reference_context_for(
 ) -> Result<SessionContext> {
     let context = SessionContext::new();
     for &table in tables {
-        let mut urls = Vec::new();
+        // Each slice file once, from the first node holding a copy.
+        let mut files = std::collections::BTreeMap::new();
         for node in 0..nodes {
             let directory = node_directory(root, node).join(table);
-            if directory.is_dir() {
-                urls.push(ListingTableUrl::parse(format!(
-                    "{}/",
-                    directory.canonicalize()?.display()
-                ))?);
+            if !directory.is_dir() {
+                continue;
+            }
+            for entry in std::fs::read_dir(&directory)? {
+                let path = entry?.path();
+                if path
+                    .extension()
+                    .is_some_and(|extension| extension == "parquet")
+                {
+                    let name = path.file_name().map(|name| name.to_os_string());
+                    files.entry(name).or_insert(path);
+                }
             }
         }
+        let urls = files
+            .into_values()
+            .map(|path| ListingTableUrl::parse(path.canonicalize()?.display().to_string()))
+            .collect::<Result<Vec<_>>>()?;
         let options =
             ListingOptions::new(Arc::new(ParquetFormat::default())).with_file_extension(".parquet");
         let config = ListingTableConfig::new_with_multi_paths(urls).with_listing_options(options);

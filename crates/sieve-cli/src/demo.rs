@@ -18,6 +18,8 @@ pub struct DemoOptions {
     pub scale_factor: f64,
     /// Storage nodes in the embedded cluster.
     pub nodes: usize,
+    /// Copies of each slice, on as many nodes (the demo uses 2).
+    pub replicas: usize,
     /// Timed runs per query and mode (the median is reported).
     pub runs: usize,
     /// Where generated data lives (`DIR/tpch-sfX`).
@@ -54,10 +56,12 @@ pub struct QueryReport {
 
 /// Generate the data set if missing and return its directory.
 pub fn ensure_data(options: &DemoOptions) -> Result<PathBuf> {
-    let root = options
-        .data_directory
-        .join(format!("tpch-sf{}", options.scale_factor));
-    if !is_generated(&root) {
+    let root = crate::cluster::tpch_directory(
+        &options.data_directory,
+        options.scale_factor,
+        options.replicas,
+    );
+    if !is_generated(&root, options.nodes, options.replicas) {
         eprintln!(
             "generating TPC-H SF {} into {} ...",
             options.scale_factor,
@@ -68,6 +72,7 @@ pub fn ensure_data(options: &DemoOptions) -> Result<PathBuf> {
             &root,
             options.scale_factor,
             options.nodes,
+            options.replicas,
             &SliceLayout::default(),
         )?;
         eprintln!("generated in {:.1}s", started.elapsed().as_secs_f64());

@@ -35,6 +35,9 @@ enum Command {
         /// Storage nodes.
         #[arg(long, default_value_t = 3)]
         nodes: usize,
+        /// Copies of each slice, on as many nodes: a node may fail.
+        #[arg(long, default_value_t = 2)]
+        replicas: usize,
         /// Timed runs per query and mode; the median is reported.
         #[arg(long, default_value_t = 1)]
         runs: usize,
@@ -65,6 +68,9 @@ enum Command {
         /// Number of storage nodes to spread slices over.
         #[arg(long, default_value_t = 3)]
         nodes: usize,
+        /// Copies of each slice, each on another node (at most --nodes).
+        #[arg(long, default_value_t = 1)]
+        replicas: usize,
         /// Rows per slice at most.
         #[arg(long, default_value_t = SliceLayout::default().slice_rows_max)]
         slice_rows: usize,
@@ -131,6 +137,16 @@ enum Command {
         /// the other columns only for rows that pass (late materialisation).
         #[arg(long)]
         late_materialization: bool,
+        /// Slices whose fragment the node processes at once (its pushdown
+        /// threads); 0 serves every slice raw. Default: the cores.
+        #[arg(long)]
+        pushdown_workers: Option<usize>,
+        /// Requests that may wait for a pushdown worker; beyond, served raw.
+        #[arg(long, default_value_t = ExecuteOptions::default().pushdown_queue_max)]
+        pushdown_queue: usize,
+        /// Longest wait for a pushdown worker before a slice is served raw, ms.
+        #[arg(long, default_value_t = sieve_storage::DEFAULT_PUSHDOWN_WAIT_MS)]
+        pushdown_wait_ms: u64,
     },
     /// SQL against a cluster: an interactive shell, or -c / -f.
     Sql {
@@ -178,6 +194,7 @@ async fn run(cli: Cli) -> Result<()> {
     let command = cli.command.unwrap_or(Command::Demo {
         sf: 0.1,
         nodes: 3,
+        replicas: 2,
         runs: 1,
         data: PathBuf::from("sieve-data"),
         queries: vec![],
@@ -188,6 +205,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Demo {
             sf,
             nodes,
+            replicas,
             runs,
             data,
             queries,
@@ -206,6 +224,7 @@ async fn run(cli: Cli) -> Result<()> {
             let options = DemoOptions {
                 scale_factor: sf,
                 nodes,
+                replicas,
                 runs,
                 data_directory: data,
                 queries,
@@ -260,6 +279,7 @@ async fn run(cli: Cli) -> Result<()> {
             sf,
             out,
             nodes,
+            replicas,
             slice_rows,
             page_rows,
         } => {
@@ -273,10 +293,11 @@ async fn run(cli: Cli) -> Result<()> {
                 data_page_rows_max: page_rows,
                 ..SliceLayout::default()
             };
-            generate_tpch(&out, sf, nodes, &layout)?;
+            generate_tpch(&out, sf, nodes, replicas, &layout)?;
             println!(
-                "generated TPC-H SF {sf} into {} ({nodes} node directories)",
-                out.display()
+                "generated TPC-H SF {sf} into {} ({nodes} node directories, {replicas} cop{} of each slice)",
+                out.display(),
+                if replicas == 1 { "y" } else { "ies" }
             );
             Ok(())
         }
@@ -286,6 +307,9 @@ async fn run(cli: Cli) -> Result<()> {
             range_listen,
             ipc_compression,
             late_materialization,
+            pushdown_workers,
+            pushdown_queue,
+            pushdown_wait_ms,
         } => {
             let ipc_compression = sieve_fragment::IpcCodec::parse(&ipc_compression)?;
             let node = StorageNode::start(StorageNodeConfig {
@@ -295,6 +319,10 @@ async fn run(cli: Cli) -> Result<()> {
                 execute: ExecuteOptions {
                     ipc_compression,
                     pushdown_filters: late_materialization,
+                    pushdown_workers: pushdown_workers
+                        .unwrap_or(ExecuteOptions::default().pushdown_workers),
+                    pushdown_queue_max: pushdown_queue,
+                    pushdown_wait: std::time::Duration::from_millis(pushdown_wait_ms),
                     ..ExecuteOptions::default()
                 },
             })
@@ -321,6 +349,7 @@ async fn run(cli: Cli) -> Result<()> {
                 let options = DemoOptions {
                     scale_factor: sf,
                     nodes: 3,
+                    replicas: 2,
                     runs: 1,
                     data_directory: data,
                     queries: vec![],

@@ -30,7 +30,7 @@ fn test_data() -> PathBuf {
         row_group_rows_max: 1024,
         ..SliceLayout::default()
     };
-    generated_tpch(&root, SCALE_FACTOR, NODES, &layout).expect("generate TPC-H")
+    generated_tpch(&root, SCALE_FACTOR, NODES, 1, &layout).expect("generate TPC-H")
 }
 
 async fn start() -> (PathBuf, EmbeddedCluster, SieveSession) {

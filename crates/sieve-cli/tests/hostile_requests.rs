@@ -27,7 +27,7 @@ fn test_data() -> PathBuf {
         slice_rows_max: 20_000,
         ..SliceLayout::default()
     };
-    generated_tpch(&root, 0.01, 1, &layout).expect("generate TPC-H")
+    generated_tpch(&root, 0.01, 1, 1, &layout).expect("generate TPC-H")
 }
 
 /// A valid body: ship the first column of `schema`, no filter.

@@ -1,7 +1,9 @@
 //! The cluster's catalog, discovered from the storage nodes.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use arrow::datatypes::SchemaRef;
 use datafusion::common::stats::Precision;
@@ -13,12 +15,25 @@ use crate::client::StorageClient;
 /// One slice and where it lives.
 #[derive(Debug, Clone)]
 pub struct ClusterSlice {
-    /// What its storage node says about it.
+    /// What its storage nodes say about it (identical on every replica).
     pub summary: SliceSummary,
-    /// Index of its storage node in [`ClusterCatalog::clients`].
+    /// Index of its first storage node in [`ClusterCatalog::clients`].
     pub node: usize,
-    /// URL of the slice file on the node's byte-range endpoint.
+    /// URL of the slice file on that node's byte-range endpoint.
     pub range_url: String,
+    /// Every node holding a copy, `node` first.
+    pub replicas: Vec<usize>,
+}
+
+/// What the compute node knows of one storage node's state: its requests in
+/// flight from here, and when it last failed.
+#[derive(Debug, Default)]
+pub struct NodeState {
+    /// Slice requests to the node in flight now, from this compute node.
+    pub in_flight: AtomicUsize,
+    /// When a request to the node last failed (ms since the catalog was
+    /// made; 0: never). A node that failed recently is tried last.
+    pub failed_at_ms: AtomicU64,
 }
 
 /// A table spread over the cluster.
@@ -41,11 +56,55 @@ pub struct ClusterCatalog {
     pub clients: Vec<StorageClient>,
     /// Tables by name.
     pub tables: BTreeMap<String, Arc<ClusterTable>>,
+    /// One state per node, as `clients`.
+    pub nodes: Arc<Vec<NodeState>>,
+    /// When the catalog was made: the epoch of [`NodeState::failed_at_ms`].
+    pub epoch: Instant,
+}
+
+/// How long a node that failed a request is tried after its replicas.
+pub const NODE_SUSPECT_MS: u64 = 10_000;
+
+impl ClusterCatalog {
+    /// The nodes to try for `slice`, best first: nodes that have not failed
+    /// in the last [`NODE_SUSPECT_MS`] before those that have, then the
+    /// fewest requests in flight from here, ties broken by the slice number
+    /// so that equal replicas share the work.
+    pub fn replica_order(&self, slice: &ClusterSlice) -> Vec<usize> {
+        let now = self.epoch.elapsed().as_millis() as u64 + 1;
+        let count = slice.replicas.len().max(1);
+        let mut order: Vec<(bool, usize, usize, usize)> = slice
+            .replicas
+            .iter()
+            .enumerate()
+            .map(|(position, &node)| {
+                let state = &self.nodes[node];
+                let failed = state.failed_at_ms.load(Ordering::Relaxed);
+                let suspect = failed != 0 && now.saturating_sub(failed) < NODE_SUSPECT_MS;
+                let rotation = (position + count - slice.summary.slice as usize % count) % count;
+                (
+                    suspect,
+                    state.in_flight.load(Ordering::Relaxed),
+                    rotation,
+                    node,
+                )
+            })
+            .collect();
+        order.sort_unstable();
+        order.into_iter().map(|(.., node)| node).collect()
+    }
+
+    /// Remember that `node` just failed a request.
+    pub fn mark_failed(&self, node: usize) {
+        let now = self.epoch.elapsed().as_millis() as u64 + 1;
+        self.nodes[node].failed_at_ms.store(now, Ordering::Relaxed);
+    }
 }
 
 impl ClusterCatalog {
-    /// Connect to every storage node and merge what they hold. A table whose
-    /// schema differs between nodes, or a slice held twice, is an error.
+    /// Connect to every storage node and merge what they hold. A slice held
+    /// by several nodes is one slice with replicas; a table whose schema
+    /// differs between nodes, or replicas that differ, is an error.
     pub async fn discover(urls: &[String]) -> Result<Self> {
         if urls.is_empty() {
             return plan_err!("no storage nodes given");
@@ -75,21 +134,38 @@ impl ClusterCatalog {
                     );
                 }
                 for (summary, range_url) in node_table.slices {
-                    if table
+                    if let Some(held) = table
                         .slices
-                        .iter()
-                        .any(|slice| slice.summary.slice == summary.slice)
+                        .iter_mut()
+                        .find(|slice| slice.summary.slice == summary.slice)
                     {
-                        return plan_err!(
-                            "slice {} of table '{}' is held by two storage nodes",
-                            summary.slice,
-                            table.name
-                        );
+                        // A replica: it must be the same slice, byte for byte.
+                        if (
+                            held.summary.rows,
+                            held.summary.bytes,
+                            held.summary.row_groups,
+                        ) != (summary.rows, summary.bytes, summary.row_groups)
+                        {
+                            return plan_err!(
+                                "slice {} of table '{}' differs between storage nodes {} and {} ({} rows, {} bytes vs {} rows, {} bytes)",
+                                summary.slice,
+                                table.name,
+                                urls[held.node],
+                                urls[node],
+                                held.summary.rows,
+                                held.summary.bytes,
+                                summary.rows,
+                                summary.bytes
+                            );
+                        }
+                        held.replicas.push(node);
+                        continue;
                     }
                     table.slices.push(ClusterSlice {
                         summary,
                         node,
                         range_url,
+                        replicas: vec![node],
                     });
                 }
             }
@@ -102,7 +178,13 @@ impl ClusterCatalog {
                 (name, Arc::new(table))
             })
             .collect();
-        Ok(Self { clients, tables })
+        let nodes = Arc::new((0..clients.len()).map(|_| NodeState::default()).collect());
+        Ok(Self {
+            clients,
+            tables,
+            nodes,
+            epoch: Instant::now(),
+        })
     }
 }
 

@@ -14,10 +14,11 @@ use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use prost::Message;
 use sieve_format::SliceSummary;
-use sieve_fragment::SliceMetrics;
+use sieve_fragment::{SliceMessage, SliceMessageKind, SliceMetrics};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
+use crate::raw::RawPages;
 use crate::Traffic;
 
 /// Upper bound on one Flight message accepted from a storage node.
@@ -34,11 +35,78 @@ pub(crate) struct NodeTable {
     pub(crate) slices: Vec<(SliceSummary, String)>,
 }
 
+/// A slice attempt failed because of its storage node (down, hung, cut off
+/// mid-stream, lost the slice, failed while executing), not because of the
+/// request: another replica may serve it.
+#[derive(Debug)]
+pub struct NodeFailure {
+    /// The node's address.
+    pub node: String,
+    /// What went wrong.
+    pub reason: String,
+}
+
+impl std::fmt::Display for NodeFailure {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "storage node {}: {}", self.node, self.reason)
+    }
+}
+
+impl std::error::Error for NodeFailure {}
+
+fn node_failure(node: &str, reason: impl Into<String>) -> DataFusionError {
+    DataFusionError::External(Box::new(NodeFailure {
+        node: node.to_string(),
+        reason: reason.into(),
+    }))
+}
+
+/// The node failure behind `error`, if that is what it is.
+pub fn as_node_failure(error: &DataFusionError) -> Option<&NodeFailure> {
+    match error {
+        DataFusionError::External(inner) => inner.downcast_ref::<NodeFailure>(),
+        DataFusionError::Context(_, inner) => as_node_failure(inner),
+        DataFusionError::Shared(inner) => as_node_failure(inner),
+        _ => None,
+    }
+}
+
+/// `stream`, failing with `error()` when no item comes within `timeout`.
+fn with_idle_timeout<T: Send + 'static, E: Send + 'static>(
+    stream: impl futures::Stream<Item = std::result::Result<T, E>> + Send + 'static,
+    timeout: Duration,
+    error: impl Fn() -> E + Send + 'static,
+) -> BoxStream<'static, std::result::Result<T, E>> {
+    futures::stream::unfold(
+        (Some(stream.boxed()), error),
+        move |(stream, error)| async move {
+            let mut stream = stream?;
+            match tokio::time::timeout(timeout, stream.next()).await {
+                Ok(Some(item)) => Some((item, (Some(stream), error))),
+                Ok(None) => None,
+                Err(_) => Some((Err(error()), (None, error))),
+            }
+        },
+    )
+    .boxed()
+}
+
 /// One piece of a streamed slice.
 #[derive(Debug)]
 pub enum SlicePart {
     /// Rows, as the storage node produced them.
     Batch(RecordBatch),
+    /// The slice's pages as stored: the node was busy, the fragment is
+    /// still to be run (see [`crate::raw::complete_raw`]).
+    Raw(RawPages),
+    /// An attempt on one replica failed; what it yielded was dropped and
+    /// the parts that follow come from another replica.
+    Failed {
+        /// The node that failed.
+        node: String,
+        /// How it failed.
+        reason: String,
+    },
     /// The slice is complete: what the node did, and the bytes it shipped.
     Done {
         /// The node's metrics for the slice.
@@ -46,17 +114,6 @@ pub enum SlicePart {
         /// Bytes of Flight messages received for the slice.
         bytes_shipped: u64,
     },
-}
-
-/// What one slice request returned, collected.
-#[derive(Debug)]
-pub struct SliceResult {
-    /// The slice's batches, after the fragment.
-    pub batches: Vec<RecordBatch>,
-    /// What the storage node reported doing.
-    pub metrics: SliceMetrics,
-    /// Bytes of Flight messages received for this slice.
-    pub bytes_shipped: u64,
 }
 
 /// A Flight client for one storage node.
@@ -166,127 +223,153 @@ impl StorageClient {
         Ok(tables)
     }
 
-    /// Run one fragment envelope against its slice and collect the result.
-    /// The whole slice is collected before any of it is returned, so a
-    /// failure mid-stream never leaves part of a slice counted.
-    pub async fn fetch_slice(
-        &self,
-        envelope: Vec<u8>,
-        traffic: &Arc<Traffic>,
-    ) -> Result<SliceResult> {
-        let mut parts = self.stream_slice(envelope, Arc::clone(traffic));
-        let mut batches = Vec::new();
-        while let Some(part) = parts.next().await {
-            match part? {
-                SlicePart::Batch(batch) => batches.push(batch),
-                SlicePart::Done {
-                    metrics,
-                    bytes_shipped,
-                } => {
-                    return Ok(SliceResult {
-                        batches,
-                        metrics,
-                        bytes_shipped,
-                    })
-                }
-            }
-        }
-        Err(exec_datafusion_err!(
-            "storage node {} ended a slice stream without its metrics",
-            self.url
-        ))
-    }
-
     /// Run one fragment envelope against its slice and stream the result as
-    /// it arrives: batches, then one [`SlicePart::Done`] with the node's
-    /// metrics. A stream that ends without `Done`, or with an error, means the
-    /// slice failed; what it yielded before is part of a failed query.
+    /// it arrives: batches (or the slice's raw pages, if the node was busy),
+    /// then one [`SlicePart::Done`] with the node's metrics. A stream that
+    /// ends without `Done`, with an error, or that stays silent longer than
+    /// `timeout`, means the slice failed on this node; what it yielded before
+    /// is not to be used.
     pub fn stream_slice(
         &self,
         envelope: Vec<u8>,
         traffic: Arc<Traffic>,
+        timeout: Duration,
     ) -> BoxStream<'static, Result<SlicePart>> {
         let this = self.clone();
-        futures::stream::once(async move {
+        let silent = move |what: &str| {
+            node_failure(
+                &this.url,
+                format!("no {what} within {} ms", timeout.as_millis()),
+            )
+        };
+        let this = self.clone();
+        let started = futures::stream::once(async move {
             traffic.add_slice_request();
             let mut client = this.client.clone();
-            let response = client
-                .do_get(Ticket::new(envelope))
+            let response = tokio::time::timeout(timeout, client.do_get(Ticket::new(envelope)))
                 .await
+                .map_err(|_| silent("answer"))?
                 .map_err(|status| this.status_error(status))?
                 .into_inner();
-            let trailer: Arc<Mutex<Option<SliceMetrics>>> = Arc::new(Mutex::new(None));
-            let shipped = Arc::new(std::sync::atomic::AtomicU64::new(0));
-            let (trailer_in, shipped_in) = (Arc::clone(&trailer), Arc::clone(&shipped));
-            let messages = response
-                .map_err(|status| FlightError::Tonic(Box::new(status)))
-                .try_filter_map(move |message: FlightData| {
-                    let size = (message.data_header.len()
-                        + message.data_body.len()
-                        + message.app_metadata.len()) as u64;
-                    shipped_in.fetch_add(size, std::sync::atomic::Ordering::Relaxed);
-                    let result =
-                        if message.data_header.is_empty() && !message.app_metadata.is_empty() {
-                            match SliceMetrics::decode(message.app_metadata.as_ref()) {
-                                Ok(metrics) => {
-                                    *trailer_in.lock().expect("trailer lock is never poisoned") =
-                                        Some(metrics);
-                                    Ok(None)
-                                }
-                                Err(error) => Err(FlightError::DecodeError(format!(
-                                    "bad slice metrics: {error}"
-                                ))),
-                            }
-                        } else {
-                            Ok(Some(message))
-                        };
-                    futures::future::ready(result)
-                });
-            let decoded = FlightRecordBatchStream::new_from_flight_data(messages);
-            let for_errors = this.clone();
-            let batches = decoded.map(move |batch| {
-                batch
-                    .map(SlicePart::Batch)
-                    .map_err(|error| for_errors.flight_error(error))
-            });
-            let done = futures::stream::once(async move {
-                let bytes_shipped = shipped.load(std::sync::atomic::Ordering::Relaxed);
-                traffic.add_flight_bytes(bytes_shipped);
-                let metrics = trailer
-                    .lock()
-                    .expect("trailer lock is never poisoned")
-                    .take()
-                    .ok_or_else(|| {
-                        exec_datafusion_err!(
-                            "storage node {} ended a slice stream without its metrics",
-                            this.url
-                        )
-                    })?;
-                Ok(SlicePart::Done {
-                    metrics,
-                    bytes_shipped,
-                })
-            });
-            Ok::<_, DataFusionError>(batches.chain(done))
+            let messages = with_idle_timeout(
+                response.map_err(|status| FlightError::Tonic(Box::new(status))),
+                timeout,
+                move || {
+                    FlightError::Tonic(Box::new(Status::deadline_exceeded(format!(
+                        "no message within {} ms",
+                        timeout.as_millis()
+                    ))))
+                },
+            );
+            Ok::<_, DataFusionError>(this.parts(messages, traffic))
         })
-        .try_flatten()
-        .boxed()
+        .try_flatten();
+        started.boxed()
+    }
+
+    /// Turn a slice's Flight messages into its parts.
+    fn parts(
+        &self,
+        messages: BoxStream<'static, std::result::Result<FlightData, FlightError>>,
+        traffic: Arc<Traffic>,
+    ) -> BoxStream<'static, Result<SlicePart>> {
+        let trailer: Arc<Mutex<Option<SliceMetrics>>> = Arc::new(Mutex::new(None));
+        let raw: Arc<Mutex<Option<RawPages>>> = Arc::new(Mutex::new(None));
+        let shipped = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (trailer_in, shipped_in, raw_in) =
+            (Arc::clone(&trailer), Arc::clone(&shipped), Arc::clone(&raw));
+        let messages = messages.try_filter_map(move |message: FlightData| {
+            let size = (message.data_header.len()
+                + message.data_body.len()
+                + message.app_metadata.len()) as u64;
+            shipped_in.fetch_add(size, std::sync::atomic::Ordering::Relaxed);
+            if !message.data_header.is_empty() || message.app_metadata.is_empty() {
+                return futures::future::ready(Ok(Some(message)));
+            }
+            let result = match SliceMessage::decode(message.app_metadata.as_ref()) {
+                Ok(SliceMessage {
+                    kind: Some(SliceMessageKind::Metrics(metrics)),
+                }) => {
+                    *trailer_in.lock().expect("never poisoned") = Some(metrics);
+                    Ok(None)
+                }
+                Ok(SliceMessage {
+                    kind: Some(SliceMessageKind::Raw(head)),
+                }) => {
+                    *raw_in.lock().expect("never poisoned") = Some(RawPages {
+                        head,
+                        chunks: Vec::new(),
+                    });
+                    Ok(None)
+                }
+                Ok(SliceMessage {
+                    kind: Some(SliceMessageKind::RawChunk(offset)),
+                }) => match raw_in.lock().expect("never poisoned").as_mut() {
+                    Some(pages) => {
+                        pages.chunks.push((offset, message.data_body));
+                        Ok(None)
+                    }
+                    None => Err(FlightError::DecodeError(
+                        "raw pages before the raw slice head".to_string(),
+                    )),
+                },
+                Ok(SliceMessage { kind: None }) => Err(FlightError::DecodeError(
+                    "slice message of an unknown kind".to_string(),
+                )),
+                Err(error) => Err(FlightError::DecodeError(format!(
+                    "bad slice message: {error}"
+                ))),
+            };
+            futures::future::ready(result)
+        });
+        let decoded = FlightRecordBatchStream::new_from_flight_data(messages);
+        let for_errors = self.clone();
+        let batches = decoded.map(move |batch| {
+            batch
+                .map(SlicePart::Batch)
+                .map_err(|error| for_errors.flight_error(error))
+        });
+        let url = self.url.clone();
+        let done = futures::stream::once(async move {
+            let bytes_shipped = shipped.load(std::sync::atomic::Ordering::Relaxed);
+            traffic.add_flight_bytes(bytes_shipped);
+            let metrics = trailer
+                .lock()
+                .expect("never poisoned")
+                .take()
+                .ok_or_else(|| node_failure(&url, "ended a slice stream without its metrics"))?;
+            let raw = raw.lock().expect("never poisoned").take();
+            let mut parts = Vec::with_capacity(2);
+            if let Some(pages) = raw {
+                parts.push(Ok(SlicePart::Raw(pages)));
+            }
+            parts.push(Ok(SlicePart::Done {
+                metrics,
+                bytes_shipped,
+            }));
+            Ok::<_, DataFusionError>(futures::stream::iter(parts))
+        })
+        .try_flatten();
+        batches.chain(done).boxed()
     }
 
     fn flight_error(&self, error: FlightError) -> DataFusionError {
         match error {
             FlightError::Tonic(status) => self.status_error(*status),
-            other => exec_datafusion_err!("storage node {}: {other}", self.url),
+            other => node_failure(&self.url, other.to_string()),
         }
     }
 
-    /// Map a gRPC status back to the DataFusion error kind it came from.
+    /// Map a gRPC status back to the DataFusion error kind it came from. A
+    /// refused request (`InvalidArgument`) is the request's fault and would
+    /// be refused by any replica; anything else is the node's
+    /// ([`NodeFailure`]), and another replica may do better.
     fn status_error(&self, status: Status) -> DataFusionError {
-        let message = format!("storage node {}: {}", self.url, status.message());
         match status.code() {
-            Code::InvalidArgument | Code::NotFound => DataFusionError::Plan(message),
-            Code::ResourceExhausted => DataFusionError::ResourcesExhausted(message),
-            _ => DataFusionError::Execution(message),
+            Code::InvalidArgument => {
+                DataFusionError::Plan(format!("storage node {}: {}", self.url, status.message()))
+            }
+            code => node_failure(&self.url, format!("{code:?}: {}", status.message())),
         }
     }
 }

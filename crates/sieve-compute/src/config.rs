@@ -5,6 +5,7 @@ use std::time::Duration;
 use datafusion::common::config::ConfigExtension;
 use datafusion::common::{extensions_options, plan_err, Result};
 
+use crate::failover::FailoverSettings;
 use crate::join_filter::JoinFilterSettings;
 
 extensions_options! {
@@ -40,6 +41,14 @@ extensions_options! {
         /// Longest wait for a join's build side before a probe scan goes
         /// ahead without its filter, in milliseconds.
         pub join_filter_wait_ms: u64, default = 60000
+        /// Longest a storage node may stay silent during a slice request
+        /// (connecting, before its first message, between messages) before
+        /// the attempt counts as failed, in milliseconds.
+        pub storage_timeout_ms: u64, default = 30000
+        /// Attempts on other replicas after a slice request fails because
+        /// of its node (down, refused, cut off, silent); each replica is
+        /// tried at most once.
+        pub slice_retries: usize, default = 2
     }
 }
 
@@ -65,6 +74,14 @@ impl SieveConfig {
             keys_max: self.join_filter_keys_max,
             bloom_fpp: self.join_filter_bloom_fpp,
             wait: Duration::from_millis(self.join_filter_wait_ms),
+        }
+    }
+
+    /// How slice requests fail over between replicas.
+    pub fn failover_settings(&self) -> FailoverSettings {
+        FailoverSettings {
+            timeout: Duration::from_millis(self.storage_timeout_ms.max(1)),
+            retries: self.slice_retries,
         }
     }
 

@@ -15,7 +15,8 @@
 //! on as they arrive; a slice that fails fails the query.
 
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use arrow::datatypes::{Schema, SchemaRef};
@@ -32,18 +33,22 @@ use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::filter_pushdown::{
     ChildPushdownResult, FilterPushdownPhase, FilterPushdownPropagation, PushedDown,
 };
-use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricBuilder, MetricsSet};
+use datafusion::physical_plan::metrics::{
+    ExecutionPlanMetricsSet, Gauge, MetricBuilder, MetricsSet,
+};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
 };
 use futures::{stream, StreamExt, TryStreamExt};
-use sieve_fragment::{FragmentEnvelope, IpcCodec};
+use sieve_fragment::{DecodedBody, FragmentEnvelope, IpcCodec};
 
 use crate::build_keys::BuildKeys;
 use crate::client::SlicePart;
 use crate::estimate::filtered_statistics;
+use crate::failover::{request_slice, FailoverSettings, SliceRequests};
 use crate::join_filter::{resolve, JoinFilterSettings, JoinFilterSlot, ProbeColumns};
+use crate::raw::{complete_raw, RawPages};
 use crate::{ClusterCatalog, ClusterSlice, ClusterTable, Traffic};
 
 /// A scan whose filter and projection run on the storage nodes.
@@ -82,8 +87,43 @@ pub struct SieveScanExec {
     body: Arc<Vec<u8>>,
     slices_in_flight: usize,
     ipc_codec: IpcCodec,
+    failover: FailoverSettings,
+    /// Scan-wide parallelism gauges, made by the first partition to run.
+    parallelism: Arc<OnceLock<Arc<Parallelism>>>,
     properties: Arc<PlanProperties>,
     metrics: ExecutionPlanMetricsSet,
+}
+
+/// The scan's parallelism on three levels (Taurus VI), as metrics:
+/// partitions here, requests to the storage nodes at once, and slices a
+/// storage node processed at once.
+#[derive(Debug)]
+struct Parallelism {
+    partitions: Gauge,
+    requests_in_flight_max: Gauge,
+    nodes_in_flight_max: Gauge,
+    storage_slices_running_max: Gauge,
+    requests: AtomicUsize,
+    per_node: Vec<AtomicUsize>,
+    nodes: AtomicUsize,
+}
+
+impl Parallelism {
+    fn request(&self, node: usize, started: bool) {
+        if started {
+            let now = self.requests.fetch_add(1, Ordering::Relaxed) + 1;
+            self.requests_in_flight_max.set_max(now);
+            if self.per_node[node].fetch_add(1, Ordering::Relaxed) == 0 {
+                let nodes = self.nodes.fetch_add(1, Ordering::Relaxed) + 1;
+                self.nodes_in_flight_max.set_max(nodes);
+            }
+        } else {
+            self.requests.fetch_sub(1, Ordering::Relaxed);
+            if self.per_node[node].fetch_sub(1, Ordering::Relaxed) == 1 {
+                self.nodes.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
 }
 
 /// How a scan runs: its partitions, read-ahead and join filter settings.
@@ -97,6 +137,8 @@ pub struct ScanOptions {
     pub join_settings: JoinFilterSettings,
     /// Codec asked of the storage nodes for the shipped batches.
     pub ipc_codec: IpcCodec,
+    /// How slice requests fail over between replicas.
+    pub failover: FailoverSettings,
 }
 
 /// A partial aggregation pushed into the fragment.
@@ -125,6 +167,7 @@ impl SieveScanExec {
             slices_in_flight,
             join_settings,
             ipc_codec,
+            failover,
         } = options;
         let output_no_columns = projection.is_empty();
         let shipped = if output_no_columns {
@@ -169,6 +212,8 @@ impl SieveScanExec {
             body,
             slices_in_flight: slices_in_flight.max(1),
             ipc_codec,
+            failover,
+            parallelism: Arc::new(OnceLock::new()),
             properties: properties(schema, partitions),
             metrics: ExecutionPlanMetricsSet::new(),
         })
@@ -194,6 +239,8 @@ impl SieveScanExec {
             body: Arc::clone(&self.body),
             slices_in_flight: self.slices_in_flight,
             ipc_codec: self.ipc_codec,
+            failover: self.failover,
+            parallelism: Arc::new(OnceLock::new()),
             properties: Arc::clone(&self.properties),
             metrics: ExecutionPlanMetricsSet::new(),
         }
@@ -382,6 +429,36 @@ impl SieveScanExec {
             .iter()
             .map(|&index| self.table.schema.field(index).name().clone())
             .collect()
+    }
+}
+
+/// Runs raw slices' fragment on this node.
+#[derive(Debug, Clone)]
+struct RawCompletion {
+    schema: SchemaRef,
+    context: Arc<TaskContext>,
+    body: Arc<OnceLock<std::result::Result<Arc<DecodedBody>, String>>>,
+}
+
+impl RawCompletion {
+    fn run(&self, pages: RawPages, body: &[u8]) -> Result<SendableRecordBatchStream> {
+        let decoded = self
+            .body
+            .get_or_init(|| {
+                DecodedBody::decode(body, &self.schema, &self.context)
+                    .map(Arc::new)
+                    .map_err(|error| error.to_string())
+            })
+            .clone()
+            .map_err(DataFusionError::Execution)?;
+        let batch_rows = self.context.session_config().batch_size();
+        complete_raw(
+            pages,
+            &decoded,
+            &self.schema,
+            Arc::clone(&self.context),
+            batch_rows,
+        )
     }
 }
 
@@ -626,7 +703,7 @@ impl ExecutionPlan for SieveScanExec {
     fn execute(
         &self,
         partition: usize,
-        _context: Arc<TaskContext>,
+        context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
         let partitions = self.properties.partitioning.partition_count();
         if partition >= partitions {
@@ -646,6 +723,26 @@ impl ExecutionPlan for SieveScanExec {
         let pages_read = builder().counter("pages_read", partition);
         let rows_scanned = builder().counter("storage_rows_scanned", partition);
         let storage_cpu = builder().subset_time("storage_cpu_time", partition);
+        let slices_raw = builder().counter("slices_raw", partition);
+        let bytes_raw = builder().counter("bytes_raw", partition);
+        let slice_retries = builder().counter("slice_retries", partition);
+        let raw_completion = builder().subset_time("raw_completion_time", partition);
+        let parallelism = Arc::clone(self.parallelism.get_or_init(|| {
+            let gauge = |name: &'static str| builder().global_gauge(name);
+            let parallelism = Parallelism {
+                partitions: gauge("partitions"),
+                requests_in_flight_max: gauge("requests_in_flight_max"),
+                nodes_in_flight_max: gauge("nodes_in_flight_max"),
+                storage_slices_running_max: gauge("storage_slices_running_max"),
+                requests: AtomicUsize::new(0),
+                per_node: (0..self.catalog.clients.len())
+                    .map(|_| AtomicUsize::new(0))
+                    .collect(),
+                nodes: AtomicUsize::new(0),
+            };
+            parallelism.partitions.set(partitions);
+            Arc::new(parallelism)
+        }));
 
         let rows_aggregated = builder().counter("storage_rows_aggregated", partition);
         let units: Vec<WorkUnit> = self
@@ -717,14 +814,36 @@ impl ExecutionPlan for SieveScanExec {
                 .map_err(|error| DataFusionError::Execution(format!("join filter: {error}")))
         };
 
+        let requests = SliceRequests {
+            catalog: Arc::clone(&catalog),
+            traffic: Arc::clone(&traffic),
+            settings: self.failover,
+            table: table_name.clone(),
+            on_request: {
+                let parallelism = Arc::clone(&parallelism);
+                Arc::new(move |node, started| parallelism.request(node, started))
+            },
+        };
+        // A raw slice is completed here with the fragment the nodes got,
+        // decoded once per partition.
+        let completion = RawCompletion {
+            schema: Arc::clone(&self.table.schema),
+            context: Arc::clone(&context),
+            body: Arc::new(OnceLock::new()),
+        };
         let schema_for_batches = Arc::clone(&schema);
         // Batches flow on as they arrive from up to `slices_in_flight` slices
         // at once, so the compute node works while the storage nodes still do.
         let parts = stream::once(body)
             .map_ok(move |body| {
-                let catalog = Arc::clone(&catalog);
-                let traffic = Arc::clone(&traffic);
+                let requests = requests.clone();
                 let table_name = table_name.clone();
+                let completion = completion.clone();
+                let raw_counters = (
+                    slices_raw.clone(),
+                    bytes_raw.clone(),
+                    raw_completion.clone(),
+                );
                 stream::iter(units.clone())
                     .map(move |unit| {
                         let envelope = FragmentEnvelope::new(
@@ -735,13 +854,37 @@ impl ExecutionPlan for SieveScanExec {
                         .with_row_groups(unit.row_groups)
                         .with_ipc_codec(ipc_codec);
                         let encoded = prost::Message::encode_to_vec(&envelope);
-                        catalog.clients[unit.slice.node].stream_slice(encoded, Arc::clone(&traffic))
+                        let (completion, body) = (completion.clone(), Arc::clone(&body));
+                        let (slices_raw, bytes_raw, raw_completion) = raw_counters.clone();
+                        // Raw pages become batches here, through the same fragment.
+                        request_slice(requests.clone(), unit.slice, encoded)
+                            .map_ok(move |part| match part {
+                                SlicePart::Raw(pages) => {
+                                    slices_raw.add(1);
+                                    bytes_raw.add(pages.bytes() as usize);
+                                    let _timer = raw_completion.timer();
+                                    match completion.run(pages, &body) {
+                                        Ok(batches) => batches.map_ok(SlicePart::Batch).boxed(),
+                                        Err(error) => stream::once(async { Err(error) }).boxed(),
+                                    }
+                                }
+                                other => stream::once(async { Ok(other) }).boxed(),
+                            })
+                            .try_flatten()
                     })
                     .flatten_unordered(slices_in_flight)
             })
             .try_flatten();
         let batches = parts.try_filter_map(move |part| {
             let batch = match part {
+                SlicePart::Raw(_) => Err(DataFusionError::Internal(
+                    "raw pages reached the scan's output uncompleted".to_string(),
+                )),
+                SlicePart::Failed { node, reason } => {
+                    log::info!("{node} failed a slice request, retried elsewhere: {reason}");
+                    slice_retries.add(1);
+                    Ok(None)
+                }
                 SlicePart::Done {
                     metrics,
                     bytes_shipped: shipped,
@@ -757,6 +900,9 @@ impl ExecutionPlan for SieveScanExec {
                     rows_scanned.add(metrics.rows_scanned as usize);
                     rows_aggregated.add(metrics.rows_aggregated as usize);
                     storage_cpu.add_duration(Duration::from_nanos(metrics.cpu_nanos));
+                    parallelism
+                        .storage_slices_running_max
+                        .set_max(metrics.node_slices_running as usize);
                     Ok(None)
                 }
                 SlicePart::Batch(batch) => {
@@ -765,16 +911,20 @@ impl ExecutionPlan for SieveScanExec {
                     if output_no_columns {
                         let options =
                             RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
-                        RecordBatch::try_new_with_options(schema, vec![], &options).map(Some)
+                        RecordBatch::try_new_with_options(schema, vec![], &options)
+                            .map(Some)
+                            .map_err(DataFusionError::from)
                     } else if rewrap {
                         // Partial states: same types, names as planned here.
-                        RecordBatch::try_new(schema, batch.columns().to_vec()).map(Some)
+                        RecordBatch::try_new(schema, batch.columns().to_vec())
+                            .map(Some)
+                            .map_err(DataFusionError::from)
                     } else {
                         Ok(Some(batch))
                     }
                 }
             };
-            futures::future::ready(batch.map_err(DataFusionError::from))
+            futures::future::ready(batch)
         });
         Ok(Box::pin(RecordBatchStreamAdapter::new(schema, batches)))
     }

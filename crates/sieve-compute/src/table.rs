@@ -215,6 +215,7 @@ impl TableProvider for SieveTable {
                 slices_in_flight: settings.slices_in_flight,
                 join_settings: settings.join_filter_settings(),
                 ipc_codec: IpcCodec::parse(&settings.ipc_compression)?,
+                failover: settings.failover_settings(),
             },
         )?);
         match residual {

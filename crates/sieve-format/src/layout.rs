@@ -122,6 +122,20 @@ pub fn write_slice(
     Ok(rows)
 }
 
+/// Copy the slice file `from` to `to` (a replica), atomically: the copy is
+/// written under a temporary name, synced and renamed into place.
+pub fn copy_slice(from: &Path, to: &Path) -> Result<()> {
+    let parent = to.parent().ok_or_else(|| {
+        ParquetError::General(format!("slice path {} has no parent", to.display()))
+    })?;
+    std::fs::create_dir_all(parent)?;
+    let temporary = to.with_extension("parquet.tmp");
+    std::fs::copy(from, &temporary)?;
+    File::open(&temporary)?.sync_all()?;
+    std::fs::rename(&temporary, to)?;
+    Ok(())
+}
+
 /// Counts the distinct values of every column of a slice while it is written.
 ///
 /// Values are compared through Arrow's row format (which covers every type)

@@ -13,7 +13,8 @@
 //!   DIR/_SUCCESS                                 written last: the load is complete
 //! ```
 //!
-//! Each storage node owns one `node-K` directory. Slices are written to a
+//! With replicas (R > 1), a slice is also copied, byte for byte, to the next
+//! R - 1 nodes. Each storage node owns one `node-K` directory. Slices are written to a
 //! temporary name and renamed into place, so a crash in the middle of a load
 //! never leaves a partial slice visible.
 //!
@@ -25,8 +26,8 @@ mod layout;
 mod tpch;
 
 pub use catalog::{ColumnSummary, SliceSummary, TableSummary};
-pub use layout::{write_slice, SliceLayout, DISTINCT_COUNTS_KEY};
-pub use tpch::{generate_tpch, is_generated, slice_path, TpchTable, TPCH_TABLES};
+pub use layout::{copy_slice, write_slice, SliceLayout, DISTINCT_COUNTS_KEY};
+pub use tpch::{generate_tpch, is_generated, replica_nodes, slice_path, TpchTable, TPCH_TABLES};
 
 /// Version of the on-disk layout. A load written by another version is not
 /// considered complete and is generated again (version 2 added the per-column

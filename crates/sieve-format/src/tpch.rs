@@ -16,7 +16,9 @@ use tpchgen_arrow::{
     SupplierArrow,
 };
 
-use crate::{node_directory, write_slice, SliceLayout, FORMAT_VERSION, LOAD_COMPLETE_MARKER};
+use crate::{
+    copy_slice, node_directory, write_slice, SliceLayout, FORMAT_VERSION, LOAD_COMPLETE_MARKER,
+};
 
 /// Rows per generated Arrow batch.
 const GENERATE_BATCH_ROWS: usize = 8192;
@@ -118,31 +120,48 @@ pub fn slice_path(node_dir: &Path, table: &str, part: usize) -> PathBuf {
         .join(format!("{table}-{part:05}.parquet"))
 }
 
-/// Whether `root` holds a complete load of this [`FORMAT_VERSION`] (the
-/// marker is written last and names the version).
-pub fn is_generated(root: &Path) -> bool {
+/// Whether `root` holds a complete load of this [`FORMAT_VERSION`] over
+/// `nodes` nodes with `replicas` copies of each slice (the marker is written
+/// last and names them).
+pub fn is_generated(root: &Path, nodes: usize, replicas: usize) -> bool {
     let Ok(marker) = std::fs::read(root.join(LOAD_COMPLETE_MARKER)) else {
         return false;
     };
-    serde_json::from_slice::<serde_json::Value>(&marker)
-        .ok()
-        .and_then(|marker| marker.get("format_version")?.as_u64())
-        == Some(u64::from(FORMAT_VERSION))
+    let Ok(marker) = serde_json::from_slice::<serde_json::Value>(&marker) else {
+        return false;
+    };
+    let number = |key: &str| marker.get(key).and_then(serde_json::Value::as_u64);
+    number("format_version") == Some(u64::from(FORMAT_VERSION))
+        && number("nodes") == Some(nodes as u64)
+        && number("replicas").unwrap_or(1) == replicas as u64
+}
+
+/// The nodes holding the copies of a slice whose first copy is on `first`:
+/// `first` and the next `replicas - 1` nodes, wrapping around.
+pub fn replica_nodes(first: usize, replicas: usize, nodes: usize) -> Vec<usize> {
+    (0..replicas).map(|copy| (first + copy) % nodes).collect()
 }
 
 /// Generate TPC-H at `scale_factor` into `root`, spreading slices round-robin
-/// over `nodes` storage-node directories. Slices are generated in parallel on
-/// all cores. The completion marker is written after every slice is in place.
+/// over `nodes` storage-node directories, each slice on `replicas` nodes (the
+/// copies are byte-identical). Slices are generated in parallel on all cores.
+/// The completion marker is written after every slice is in place.
 pub fn generate_tpch(
     root: &Path,
     scale_factor: f64,
     nodes: usize,
+    replicas: usize,
     layout: &SliceLayout,
 ) -> Result<()> {
     if nodes == 0 {
         return Err(ParquetError::General(
             "at least one storage node is needed".into(),
         ));
+    }
+    if replicas == 0 || replicas > nodes {
+        return Err(ParquetError::General(format!(
+            "replicas must be between 1 and the number of nodes ({nodes}), got {replicas}"
+        )));
     }
     if scale_factor.is_nan() || scale_factor <= 0.0 {
         return Err(ParquetError::General(format!(
@@ -177,8 +196,16 @@ pub fn generate_tpch(
                     return;
                 }
                 let (schema, batches) = table.generate(scale_factor, *part as i32, *parts as i32);
-                let path = slice_path(&node_directory(root, *node), table.name, *part);
-                if let Err(error) = write_slice(&path, &schema, layout, batches) {
+                let copies = replica_nodes(*node, replicas, nodes);
+                let path = slice_path(&node_directory(root, copies[0]), table.name, *part);
+                let mut written = write_slice(&path, &schema, layout, batches).map(|_| ());
+                for &copy in &copies[1..] {
+                    if written.is_ok() {
+                        let to = slice_path(&node_directory(root, copy), table.name, *part);
+                        written = copy_slice(&path, &to);
+                    }
+                }
+                if let Err(error) = written {
                     first_error
                         .lock()
                         .expect("no poisoning")
@@ -196,6 +223,7 @@ pub fn generate_tpch(
         "format_version": FORMAT_VERSION,
         "scale_factor": scale_factor,
         "nodes": nodes,
+        "replicas": replicas,
         "slice_rows_max": layout.slice_rows_max,
         "data_page_rows_max": layout.data_page_rows_max,
     });

@@ -19,7 +19,9 @@ use crate::{check_allowed, check_plan_allowed, SieveCodec};
 /// The only fragment version this build speaks. A storage node refuses any
 /// other, so a compute node and a storage node of different versions fail
 /// loudly instead of misreading each other.
-pub const FRAGMENT_VERSION: u32 = 2;
+/// Version 3: a slice stream's non-data messages are [`SliceMessage`]s
+/// (metrics, or a slice's raw pages from a busy node).
+pub const FRAGMENT_VERSION: u32 = 3;
 
 /// Upper bound on an encoded fragment. A TPC-H predicate encodes to a few
 /// kilobytes; an IN list of ten thousand keys to well under a megabyte. Larger
@@ -162,12 +164,88 @@ pub struct SliceMetrics {
     /// CPU time the storage node spent evaluating the fragment.
     #[prost(uint64, tag = "8")]
     pub cpu_nanos: u64,
-    /// Whether the fragment's work was done (false: raw pages, reserved for best effort).
+    /// Whether the fragment's work was done on the node (false: the node
+    /// was busy and shipped the slice's raw pages; the compute node ran it).
     #[prost(bool, tag = "9")]
     pub processed: bool,
     /// Rows that entered the pushed aggregation (after the exact filter).
     #[prost(uint64, tag = "10")]
     pub rows_aggregated: u64,
+    /// Why the slice was served raw (empty when processed).
+    #[prost(string, tag = "11")]
+    pub raw_reason: String,
+    /// Time the request waited for a pushdown worker.
+    #[prost(uint64, tag = "12")]
+    pub queue_wait_nanos: u64,
+    /// Slices the node was processing when this one started, itself included:
+    /// the node's parallelism as this request saw it.
+    #[prost(uint32, tag = "13")]
+    pub node_slices_running: u32,
+    /// Bytes of raw pages shipped (footer and column chunks).
+    #[prost(uint64, tag = "14")]
+    pub raw_bytes: u64,
+}
+
+/// A message of a slice stream that is not Arrow IPC data: it travels in a
+/// Flight message's `app_metadata`, with an empty data header.
+///
+/// ```text
+///   processed:  [IPC schema] [IPC batch]* Metrics
+///   raw:        Raw (footer, ranges) RawChunk* Metrics
+/// ```
+#[derive(Clone, PartialEq, Message)]
+pub struct SliceMessage {
+    /// What the message is.
+    #[prost(oneof = "SliceMessageKind", tags = "1, 2, 3")]
+    pub kind: Option<SliceMessageKind>,
+}
+
+/// The kinds of [`SliceMessage`].
+#[derive(Clone, PartialEq, prost::Oneof)]
+pub enum SliceMessageKind {
+    /// The slice is complete: what the node did. Always the last message.
+    #[prost(message, tag = "1")]
+    Metrics(SliceMetrics),
+    /// The slice comes raw: the pages follow as [`SliceMessageKind::RawChunk`]s.
+    #[prost(message, tag = "2")]
+    Raw(RawSlice),
+    /// Bytes of the slice file starting at this offset; the bytes are the
+    /// Flight message's body.
+    #[prost(uint64, tag = "3")]
+    RawChunk(u64),
+}
+
+/// The head of a raw slice: enough for the compute node to decode the pages
+/// that follow and run the fragment itself.
+#[derive(Clone, PartialEq, Message)]
+pub struct RawSlice {
+    /// Size of the slice file.
+    #[prost(uint64, tag = "1")]
+    pub file_bytes: u64,
+    /// The Parquet footer (the file's metadata, without page indexes).
+    #[prost(bytes = "vec", tag = "2")]
+    pub footer: Vec<u8>,
+    /// The byte ranges that follow: every column chunk the fragment needs,
+    /// in the requested row groups.
+    #[prost(message, repeated, tag = "3")]
+    pub ranges: Vec<ByteRange>,
+    /// Row groups shipped, ascending.
+    #[prost(uint32, repeated, tag = "4")]
+    pub row_groups: Vec<u32>,
+    /// Why the node did not process the slice.
+    #[prost(string, tag = "5")]
+    pub reason: String,
+}
+
+/// A byte range of a slice file.
+#[derive(Clone, PartialEq, Message)]
+pub struct ByteRange {
+    /// First byte.
+    #[prost(uint64, tag = "1")]
+    pub offset: u64,
+    /// Length in bytes.
+    #[prost(uint64, tag = "2")]
+    pub length: u64,
 }
 
 impl SliceMetrics {

@@ -25,6 +25,9 @@
 //! a file: the storage node maps `(table, slice)` to a path through its own
 //! catalog, so a fragment cannot read outside the node's data directory.
 //!
+//! The slice plan ([`slice_plan`]) is built here so that a storage node and
+//! a compute node completing a raw slice run the same operators.
+//!
 //! This crate does no I/O.
 #![deny(missing_docs)]
 
@@ -32,6 +35,7 @@ mod allow_list;
 mod bloom;
 mod codec;
 mod envelope;
+mod slice_plan;
 
 pub use allow_list::{
     check_allowed, check_plan_allowed, is_allowed_type, ALLOWED_AGGREGATES, ALLOWED_FUNCTIONS,
@@ -39,6 +43,7 @@ pub use allow_list::{
 pub use bloom::{BloomFilterExpr, BLOOM_FILTER_BYTES_MAX};
 pub use codec::{SieveCodec, SliceInputExec};
 pub use envelope::{
-    schema_fingerprint, DecodedBody, Fragment, FragmentBody, FragmentEnvelope, IpcCodec,
-    SliceMetrics, FRAGMENT_BYTES_MAX, FRAGMENT_VERSION,
+    schema_fingerprint, ByteRange, DecodedBody, Fragment, FragmentBody, FragmentEnvelope, IpcCodec,
+    RawSlice, SliceMessage, SliceMessageKind, SliceMetrics, FRAGMENT_BYTES_MAX, FRAGMENT_VERSION,
 };
+pub use slice_plan::{needed_columns, slice_plan, SlicePlan, SliceSource};

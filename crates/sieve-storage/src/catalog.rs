@@ -26,6 +26,9 @@ pub struct CatalogSlice {
     pub object_path: object_store::path::Path,
     /// Parquet metadata including the column and offset indexes.
     pub metadata: Arc<ParquetMetaData>,
+    /// The file's footer as stored (its Thrift metadata, without the page
+    /// indexes), shipped with a raw slice so the compute node can decode it.
+    pub footer: bytes::Bytes,
 }
 
 /// One table the node holds part of.
@@ -229,8 +232,27 @@ fn open_slice(
             path: path.to_path_buf(),
             object_path,
             metadata,
+            footer: read_footer(&file, bytes)?,
         },
     ))
+}
+
+/// The Parquet footer of `file` (`bytes` long): the metadata before the
+/// last eight bytes (its length, then `PAR1`).
+fn read_footer(file: &File, bytes: u64) -> Result<bytes::Bytes> {
+    use std::os::unix::fs::FileExt;
+    let mut tail = [0u8; 8];
+    if bytes < 12 {
+        return plan_err!("slice file of {bytes} bytes is too short to be Parquet");
+    }
+    file.read_exact_at(&mut tail, bytes - 8)?;
+    let length = u64::from(u32::from_le_bytes([tail[0], tail[1], tail[2], tail[3]]));
+    if &tail[4..] != b"PAR1" || length + 8 > bytes {
+        return plan_err!("slice file has no valid Parquet footer");
+    }
+    let mut footer = vec![0u8; length as usize];
+    file.read_exact_at(&mut footer, bytes - 8 - length)?;
+    Ok(footer.into())
 }
 
 /// The per-column distinct counts the loader recorded, if it did.

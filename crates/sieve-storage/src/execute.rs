@@ -17,27 +17,22 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
+use std::time::Duration;
+
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
-use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::common::{internal_datafusion_err, plan_err, Result};
-use datafusion::datasource::source::DataSourceExec;
 use datafusion::execution::object_store::ObjectStoreUrl;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::physical_expr::expressions::Column;
-use datafusion::physical_expr::utils::{collect_columns, reassign_expr_columns};
-use datafusion::physical_expr::PhysicalExpr;
-use datafusion::physical_plan::filter::FilterExecBuilder;
-use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::SessionContext;
-use datafusion_datasource::file_scan_config::FileScanConfigBuilder;
-use datafusion_datasource::PartitionedFile;
-use datafusion_datasource_parquet::source::ParquetSource;
 use futures::Stream;
 use object_store::local::LocalFileSystem;
 use object_store::ObjectStore;
-use sieve_fragment::{DecodedBody, FragmentEnvelope, IpcCodec, SliceInputExec, SliceMetrics};
+use sieve_fragment::{
+    needed_columns, slice_plan, DecodedBody, FragmentEnvelope, IpcCodec, SliceMetrics, SlicePlan,
+    SliceSource,
+};
 
 use crate::cpu::thread_cpu_nanos;
 use crate::reader::SliceReaderFactory;
@@ -59,18 +54,35 @@ pub struct ExecuteOptions {
     /// CPU, none least CPU of all; auto is LZ4 for a peer on this host and
     /// zstd for one across a network.
     pub ipc_compression: IpcCodec,
+    /// Slices whose fragment the node processes at once: the threads of its
+    /// pushdown pool. Zero serves every slice raw.
+    pub pushdown_workers: usize,
+    /// Requests that may wait for a pushdown worker; beyond, a request is
+    /// served raw at once.
+    pub pushdown_queue_max: usize,
+    /// Longest a request waits for a pushdown worker before it is served raw.
+    pub pushdown_wait: Duration,
 }
 
 impl Default for ExecuteOptions {
     fn default() -> Self {
+        let cores = std::thread::available_parallelism()
+            .map(|cores| cores.get())
+            .unwrap_or(1);
         Self {
             pushdown_filters: false,
             batch_rows: 8192,
             fragment_cache_entries_max: 1024,
             ipc_compression: IpcCodec::Auto,
+            pushdown_workers: cores,
+            pushdown_queue_max: 64,
+            pushdown_wait: Duration::from_millis(DEFAULT_PUSHDOWN_WAIT_MS),
         }
     }
 }
+
+/// Default of [`ExecuteOptions::pushdown_wait`], in milliseconds.
+pub const DEFAULT_PUSHDOWN_WAIT_MS: u64 = 50;
 
 /// Runs fragments over the slices of one node's catalog.
 #[derive(Debug)]
@@ -98,12 +110,26 @@ pub struct NodeCounters {
     pub rows_returned: AtomicU64,
     /// Bytes served by the byte-range endpoint.
     pub range_bytes_served: Arc<AtomicU64>,
+    /// Slices served raw (pages as stored) because the node was busy.
+    pub slices_raw: AtomicU64,
+    /// Bytes of raw pages shipped.
+    pub raw_bytes_served: AtomicU64,
+    /// Most slices processed at once so far.
+    pub slices_running_max: AtomicU64,
 }
 
 impl NodeCounters {
-    /// Count a slice whose fragment finished.
+    /// Count a slice whose fragment finished, or that was served raw.
     pub fn record(&self, metrics: &SliceMetrics) {
         self.slices_served.fetch_add(1, Ordering::Relaxed);
+        if !metrics.processed {
+            self.slices_raw.fetch_add(1, Ordering::Relaxed);
+            self.raw_bytes_served
+                .fetch_add(metrics.raw_bytes, Ordering::Relaxed);
+            return;
+        }
+        self.slices_running_max
+            .fetch_max(u64::from(metrics.node_slices_running), Ordering::Relaxed);
         self.fragment_bytes_read
             .fetch_add(metrics.bytes_read, Ordering::Relaxed);
         self.rows_scanned
@@ -121,6 +147,9 @@ impl NodeCounters {
             "rows_scanned": load(&self.rows_scanned),
             "rows_returned": load(&self.rows_returned),
             "range_bytes_served": load(&self.range_bytes_served),
+            "slices_raw": load(&self.slices_raw),
+            "raw_bytes_served": load(&self.raw_bytes_served),
+            "slices_running_max": load(&self.slices_running_max),
         })
     }
 }
@@ -160,6 +189,14 @@ impl SliceExecutor {
         self.fragments_decoded.load(Ordering::Relaxed)
     }
 
+    /// Decode a ticket's fragment body for `table` (cached by content hash),
+    /// checked against the table's schema and the allow-list.
+    pub fn body_for(&self, envelope: &FragmentEnvelope) -> Result<Arc<DecodedBody>> {
+        let (table, _) = self.catalog.slice(&envelope.table, envelope.slice)?;
+        let schema = Arc::clone(&table.schema);
+        self.decoded_body(envelope, &schema)
+    }
+
     /// Decode a ticket (an encoded [`FragmentEnvelope`]) and start running it.
     /// Every failure here is a clear error about the request; nothing panics.
     pub async fn execute(&self, ticket: &[u8]) -> Result<SliceStream> {
@@ -169,28 +206,10 @@ impl SliceExecutor {
         let slice = Arc::clone(slice);
         let body = self.decoded_body(&envelope, &schema)?;
 
-        let mut needed: Vec<usize> = body.projection.clone();
-        if let Some(predicate) = &body.predicate {
-            needed.extend(collect_columns(predicate).iter().map(Column::index));
-        }
-        needed.sort_unstable();
-        needed.dedup();
+        let needed = needed_columns(&body);
 
         let row_group_count = slice.metadata.num_row_groups();
-        let mut wanted: Vec<usize> = envelope
-            .row_groups
-            .iter()
-            .map(|&group| group as usize)
-            .collect();
-        wanted.sort_unstable();
-        wanted.dedup();
-        if let Some(bad) = wanted.iter().find(|&&group| group >= row_group_count) {
-            return plan_err!(
-                "row group {bad} of slice {} of {} does not exist (the slice has {row_group_count})",
-                envelope.slice,
-                envelope.table
-            );
-        }
+        let wanted = wanted_row_groups(&envelope, row_group_count)?;
         let hints = {
             let (slice, schema, needed, predicate) = (
                 Arc::clone(&slice),
@@ -212,82 +231,25 @@ impl SliceExecutor {
             .map_err(|error| internal_datafusion_err!("coarse stage task failed: {error}"))??
         };
 
-        let mut source = ParquetSource::new(Arc::clone(&schema))
-            .with_parquet_file_reader_factory(Arc::new(SliceReaderFactory {
-                store: Arc::clone(&self.store),
-                slice: Arc::clone(&slice),
-            }))
-            .with_enable_page_index(false)
-            .with_bloom_filter_on_read(false);
-        if self.options.pushdown_filters {
-            if let Some(predicate) = &body.predicate {
-                source = source
-                    .with_predicate(Arc::clone(predicate))
-                    .with_pushdown_filters(true);
-            }
-        }
-        let file = PartitionedFile::new(slice.object_path.to_string(), slice.summary.bytes)
-            .with_extension(hints.access_plan.clone());
-        let config =
-            FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source))
-                .with_file(file)
-                .with_projection_indices(Some(needed.clone()))?
-                .with_batch_size(Some(self.options.batch_rows))
-                .build();
-        let scan: Arc<dyn ExecutionPlan> = DataSourceExec::from_data_source(config);
-        let shipped: Vec<usize> = body
-            .projection
-            .iter()
-            .map(|column| {
-                needed
-                    .binary_search(column)
-                    .expect("needed holds every projected column")
-            })
-            .collect();
-        let plan: Arc<dyn ExecutionPlan> = match &body.predicate {
-            Some(predicate) => {
-                let predicate = reassign_expr_columns(Arc::clone(predicate), &scan.schema())?;
-                Arc::new(
-                    FilterExecBuilder::new(predicate, scan)
-                        .apply_projection(Some(shipped))?
-                        .with_batch_size(self.options.batch_rows)
-                        .build()?,
-                )
-            }
-            None if shipped.iter().copied().eq(0..needed.len()) => scan,
-            None => {
-                let input_schema = scan.schema();
-                let expressions: Vec<(Arc<dyn PhysicalExpr>, String)> = shipped
-                    .iter()
-                    .map(|&index| {
-                        let name = input_schema.field(index).name().clone();
-                        (
-                            Arc::new(Column::new(&name, index)) as Arc<dyn PhysicalExpr>,
-                            name,
-                        )
-                    })
-                    .collect();
-                Arc::new(ProjectionExec::try_new(expressions, scan)?)
-            }
-        };
-        // A pushed aggregation runs over the filtered, projected slice: the
-        // decoded operators get this slice's plan in place of their leaf.
-        let (plan, aggregated_input) = match &body.aggregate {
-            Some(operators) => {
-                let input = Arc::clone(&plan);
-                let replaced = Arc::clone(operators)
-                    .transform_up(|node| {
-                        Ok(if node.downcast_ref::<SliceInputExec>().is_some() {
-                            Transformed::yes(Arc::clone(&input))
-                        } else {
-                            Transformed::no(node)
-                        })
-                    })?
-                    .data;
-                (replaced, Some(input))
-            }
-            None => (plan, None),
-        };
+        let SlicePlan {
+            plan,
+            aggregated_input,
+        } = slice_plan(
+            &schema,
+            &body,
+            SliceSource {
+                reader_factory: Arc::new(SliceReaderFactory {
+                    store: Arc::clone(&self.store),
+                    slice: Arc::clone(&slice),
+                }),
+                store_url: ObjectStoreUrl::local_filesystem(),
+                location: slice.object_path.to_string(),
+                file_bytes: slice.summary.bytes,
+                access_plan: hints.access_plan.clone(),
+                batch_rows: self.options.batch_rows,
+                pushdown_filters: self.options.pushdown_filters,
+            },
+        )?;
         let inner = plan.execute(0, Arc::clone(&self.task_context))?;
         Ok(SliceStream {
             schema: plan.schema(),
@@ -297,6 +259,7 @@ impl SliceExecutor {
             hints,
             cpu_nanos: 0,
             rows_returned: 0,
+            admission: Admitted::default(),
         })
     }
 
@@ -341,6 +304,16 @@ pub struct SliceStream {
     hints: MatchHints,
     cpu_nanos: u64,
     rows_returned: u64,
+    admission: Admitted,
+}
+
+/// How a request got its pushdown worker.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Admitted {
+    /// Time spent waiting for the worker.
+    pub waited: Duration,
+    /// Slices processing on the node when it started, itself included.
+    pub running: u32,
 }
 
 impl std::fmt::Debug for SliceStream {
@@ -356,6 +329,11 @@ impl SliceStream {
     /// Schema of the shipped batches.
     pub fn schema(&self) -> SchemaRef {
         Arc::clone(&self.schema)
+    }
+
+    /// Record how the request was admitted to the pushdown pool.
+    pub fn set_admission(&mut self, admission: Admitted) {
+        self.admission = admission;
     }
 
     /// What the node did so far (complete once the stream has ended).
@@ -377,8 +355,34 @@ impl SliceStream {
                 .and_then(|input| input.metrics())
                 .and_then(|metrics| metrics.output_rows())
                 .unwrap_or(0) as u64,
+            raw_reason: String::new(),
+            queue_wait_nanos: self.admission.waited.as_nanos() as u64,
+            node_slices_running: self.admission.running,
+            raw_bytes: 0,
         }
     }
+}
+
+/// The row groups an envelope asks for (empty: all), checked against the slice.
+pub(crate) fn wanted_row_groups(
+    envelope: &FragmentEnvelope,
+    row_group_count: usize,
+) -> Result<Vec<usize>> {
+    let mut wanted: Vec<usize> = envelope
+        .row_groups
+        .iter()
+        .map(|&group| group as usize)
+        .collect();
+    wanted.sort_unstable();
+    wanted.dedup();
+    if let Some(bad) = wanted.iter().find(|&&group| group >= row_group_count) {
+        return plan_err!(
+            "row group {bad} of slice {} of {} does not exist (the slice has {row_group_count})",
+            envelope.slice,
+            envelope.table
+        );
+    }
+    Ok(wanted)
 }
 
 fn collect_metric(plan: &Arc<dyn ExecutionPlan>, name: &str) -> usize {

@@ -5,8 +5,10 @@
 //! slice's JSON [`sieve_format::SliceSummary`] and whose location is the
 //! slice's byte-range URL. `DoGet` takes an encoded
 //! [`sieve_fragment::FragmentEnvelope`] as its ticket and streams the slice's
-//! batches (Arrow IPC, zstd-compressed), followed by one body-less message
-//! whose `app_metadata` is the encoded [`sieve_fragment::SliceMetrics`].
+//! batches (Arrow IPC, in the codec asked for), followed by one body-less
+//! message whose `app_metadata` is a [`sieve_fragment::SliceMessage`] with the
+//! slice's metrics. The fragment runs on the pushdown pool when a worker is
+//! free in time; otherwise the slice is served raw (`raw.rs`).
 //!
 //! Errors keep their kind across the wire: a bad request is
 //! `InvalidArgument`, an unknown table or slice is `NotFound`, a failure
@@ -27,11 +29,15 @@ use arrow_flight::{
 };
 use datafusion::common::DataFusionError;
 use futures::stream;
-use futures::{FutureExt, Stream, StreamExt, TryStreamExt};
+use futures::{FutureExt, Stream, StreamExt};
 use prost::Message;
-use sieve_fragment::{FragmentEnvelope, IpcCodec, SliceMetrics};
+use sieve_fragment::{FragmentEnvelope, IpcCodec, SliceMessage, SliceMessageKind, SliceMetrics};
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::execute::Admitted;
+use crate::faults::Faults;
+use crate::pool::{Admission, PushdownPool};
+use crate::raw::{plan_raw, raw_stream};
 use crate::SliceExecutor;
 
 /// The Flight action that returns a node's counters ([`crate::NodeCounters`]) as JSON.
@@ -41,15 +47,24 @@ pub const STATS_ACTION: &str = "stats";
 #[derive(Debug, Clone)]
 pub struct StorageFlightService {
     executor: Arc<SliceExecutor>,
+    pool: Arc<PushdownPool>,
+    faults: Arc<Faults>,
     range_base_url: String,
 }
 
 impl StorageFlightService {
-    /// A service over `executor`; slice files are announced at
-    /// `range_base_url` (e.g. `http://127.0.0.1:8080`).
-    pub fn new(executor: Arc<SliceExecutor>, range_base_url: String) -> Self {
+    /// A service over `executor`, running fragments on `pool`; slice files
+    /// are announced at `range_base_url` (e.g. `http://127.0.0.1:8080`).
+    pub fn new(
+        executor: Arc<SliceExecutor>,
+        pool: Arc<PushdownPool>,
+        faults: Arc<Faults>,
+        range_base_url: String,
+    ) -> Self {
         Self {
             executor,
+            pool,
+            faults,
             range_base_url,
         }
     }
@@ -190,61 +205,53 @@ impl FlightService for StorageFlightService {
             IpcCodec::Auto => self.executor.options().ipc_compression,
             requested => requested,
         };
-        self.executor
+        let (_, slice) = self
+            .executor
             .catalog()
             .slice(&envelope.table, envelope.slice)
             .map_err(|error| Status::not_found(error.find_root().message().into_owned()))?;
-        let executed = AssertUnwindSafe(self.executor.execute(&ticket))
-            .catch_unwind()
-            .await;
-        let slice_stream = match executed {
-            Ok(result) => result.map_err(to_status)?,
-            Err(_) => {
-                return Err(Status::internal(
-                    "storage node failed while planning the fragment (panic caught)",
-                ))
+        let slice = Arc::clone(slice);
+        // A bad fragment is refused whatever the node's load.
+        let body = self.executor.body_for(&envelope).map_err(to_status)?;
+        match self.pool.admit().await {
+            Admission::Raw(reason) => {
+                let plan = plan_raw(&slice, &envelope, &body, reason).map_err(to_status)?;
+                let faults = Arc::clone(&self.faults);
+                let stream =
+                    raw_stream(slice, plan, Arc::clone(&self.executor)).inspect(move |message| {
+                        if message.is_ok() {
+                            faults.message_sent();
+                        }
+                    });
+                Ok(Response::new(Box::pin(stream)))
             }
-        };
-        let schema = slice_stream.schema();
-        let metrics_slot: Arc<Mutex<Option<SliceMetrics>>> = Arc::new(Mutex::new(None));
-        let batches = FinishingStream {
-            inner: Some(slice_stream),
-            slot: Arc::clone(&metrics_slot),
-            executor: Arc::clone(&self.executor),
-        };
-        let batches = AssertUnwindSafe(batches)
-            .catch_unwind()
-            .map(|item| match item {
-                Ok(Ok(batch)) => compact_views(batch).map_err(|error| {
-                    FlightError::Tonic(Box::new(Status::internal(error.to_string())))
-                }),
-                Ok(Err(error)) => Err(FlightError::Tonic(Box::new(to_status(error)))),
-                Err(_) => Err(FlightError::Tonic(Box::new(Status::internal(
-                    "storage node failed while executing the fragment (panic caught)",
-                )))),
-            });
-        let options = IpcWriteOptions::default()
-            .try_with_compression(codec.resolve(loopback))
-            .map_err(|error| Status::internal(error.to_string()))?;
-        let encoded = FlightDataEncoderBuilder::new()
-            .with_schema(schema)
-            .with_options(options)
-            .build(batches);
-        let trailer = stream::once(async move {
-            let metrics = metrics_slot
-                .lock()
-                .expect("metrics lock is never poisoned")
-                .take()
-                .unwrap_or_default();
-            Ok(FlightData::new().with_app_metadata(metrics.encode_to_vec()))
-        });
-        let output = encoded
-            .chain(trailer)
-            .map_err(|error: FlightError| match error {
-                FlightError::Tonic(status) => *status,
-                other => Status::internal(other.to_string()),
-            });
-        Ok(Response::new(Box::pin(output)))
+            Admission::Run(worker, admitted) => {
+                let (sender, receiver) =
+                    tokio::sync::mpsc::channel::<Result<FlightData, Status>>(2);
+                let work = process(
+                    Arc::clone(&self.executor),
+                    ticket,
+                    codec.resolve(loopback),
+                    admitted,
+                    sender.clone(),
+                    Arc::clone(&self.faults),
+                );
+                self.pool.spawn(async move {
+                    let _worker = worker;
+                    if AssertUnwindSafe(work).catch_unwind().await.is_err() {
+                        let _ = sender
+                            .send(Err(Status::internal(
+                                "storage node failed while executing the fragment (panic caught)",
+                            )))
+                            .await;
+                    }
+                });
+                let output = futures::stream::unfold(receiver, |mut receiver| async move {
+                    receiver.recv().await.map(|message| (message, receiver))
+                });
+                Ok(Response::new(Box::pin(output)))
+            }
+        }
     }
 
     async fn do_put(
@@ -263,7 +270,11 @@ impl FlightService for StorageFlightService {
         let action = request.into_inner();
         match action.r#type.as_str() {
             STATS_ACTION => {
-                let body = self.executor.counters().to_json().to_string();
+                let mut stats = self.executor.counters().to_json();
+                stats["pushdown_workers"] = self.pool.workers().into();
+                stats["pushdown_running"] = self.pool.running().into();
+                stats["pushdown_waiting"] = self.pool.waiting().into();
+                let body = stats.to_string();
                 let result = arrow_flight::Result {
                     body: body.into_bytes().into(),
                 };
@@ -292,6 +303,74 @@ impl FlightService for StorageFlightService {
     ) -> Result<Response<Self::DoExchangeStream>, Status> {
         Err(Status::unimplemented("do_exchange is not supported"))
     }
+}
+
+/// Run one fragment on a pushdown worker and send its Flight messages
+/// (IPC schema and batches, then the metrics) to `sender`. Stops as soon as
+/// the client is gone.
+async fn process(
+    executor: Arc<SliceExecutor>,
+    ticket: bytes::Bytes,
+    compression: Option<arrow::ipc::CompressionType>,
+    admitted: Admitted,
+    sender: tokio::sync::mpsc::Sender<Result<FlightData, Status>>,
+    faults: Arc<Faults>,
+) {
+    let mut slice_stream = match executor.execute(&ticket).await {
+        Ok(stream) => stream,
+        Err(error) => {
+            let _ = sender.send(Err(to_status(error))).await;
+            return;
+        }
+    };
+    slice_stream.set_admission(admitted);
+    let schema = slice_stream.schema();
+    let metrics_slot: Arc<Mutex<Option<SliceMetrics>>> = Arc::new(Mutex::new(None));
+    let batches = FinishingStream {
+        inner: Some(slice_stream),
+        slot: Arc::clone(&metrics_slot),
+        executor: Arc::clone(&executor),
+    };
+    let batches = batches.map(|item| match item {
+        Ok(batch) => compact_views(batch)
+            .map_err(|error| FlightError::Tonic(Box::new(Status::internal(error.to_string())))),
+        Err(error) => Err(FlightError::Tonic(Box::new(to_status(error)))),
+    });
+    let options = match IpcWriteOptions::default().try_with_compression(compression) {
+        Ok(options) => options,
+        Err(error) => {
+            let _ = sender.send(Err(Status::internal(error.to_string()))).await;
+            return;
+        }
+    };
+    let mut encoded = FlightDataEncoderBuilder::new()
+        .with_schema(schema)
+        .with_options(options)
+        .build(batches);
+    while let Some(message) = encoded.next().await {
+        let message = message.map_err(|error: FlightError| match error {
+            FlightError::Tonic(status) => *status,
+            other => Status::internal(other.to_string()),
+        });
+        let failed = message.is_err();
+        if sender.send(message).await.is_err() || failed {
+            return;
+        }
+        faults.message_sent();
+    }
+    let metrics = metrics_slot
+        .lock()
+        .expect("metrics lock is never poisoned")
+        .take()
+        .unwrap_or_default();
+    let trailer = SliceMessage {
+        kind: Some(SliceMessageKind::Metrics(metrics)),
+    };
+    let _ = sender
+        .send(Ok(
+            FlightData::new().with_app_metadata(trailer.encode_to_vec())
+        ))
+        .await;
 }
 
 /// Passes a slice's batches through and, when they end, leaves the slice's

@@ -6,10 +6,12 @@
 //!   Flight ListFlights / GetFlightInfo   catalog: one FlightInfo per table,
 //!                                        one endpoint per slice (catalog.rs, flight.rs)
 //!   Flight DoGet(FragmentEnvelope)       one slice through an NDP fragment:
+//!       admission      a pushdown worker within the wait budget, or raw (pool.rs)
 //!       coarse stage   match hints from row-group stats, Bloom filters and
 //!                      the page index -> pages that may match      (coarse.rs)
 //!       exact stage    read only those pages, filter, project      (execute.rs)
-//!       stream         Arrow IPC (zstd), then a SliceMetrics trailer (flight.rs)
+//!       stream         Arrow IPC, then a SliceMetrics trailer      (flight.rs)
+//!       raw            busy: the needed column chunks as stored     (raw.rs)
 //!   HTTP GET /slices/{table}/{file}      the slice file by byte range, for the
 //!                                        NDP-off baseline and peer engines (range.rs)
 //! ```
@@ -23,13 +25,21 @@ mod catalog;
 mod coarse;
 mod cpu;
 mod execute;
+mod faults;
 mod flight;
 mod node;
+mod pool;
 mod range;
+mod raw;
 mod reader;
 
 pub use catalog::{CatalogSlice, CatalogTable, NodeCatalog};
 pub use coarse::MatchHints;
-pub use execute::{ExecuteOptions, NodeCounters, SliceExecutor};
+pub use execute::{
+    Admitted, ExecuteOptions, NodeCounters, SliceExecutor, DEFAULT_PUSHDOWN_WAIT_MS,
+};
+pub use faults::{Faults, FaultyStream};
 pub use flight::{StorageFlightService, STATS_ACTION};
 pub use node::{StorageNode, StorageNodeConfig};
+pub use pool::{Admission, PushdownPool, Slot};
+pub use raw::RAW_CHUNK_BYTES;

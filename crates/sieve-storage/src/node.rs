@@ -12,6 +12,8 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use crate::faults::{Faults, FaultyStream};
+use crate::pool::PushdownPool;
 use crate::range::{router, RangeState};
 use crate::{ExecuteOptions, NodeCatalog, SliceExecutor, StorageFlightService};
 
@@ -38,6 +40,8 @@ pub struct StorageNode {
     flight_address: SocketAddr,
     range_address: SocketAddr,
     executor: Arc<SliceExecutor>,
+    pool: Arc<PushdownPool>,
+    faults: Arc<Faults>,
     range_bytes_served: Arc<AtomicU64>,
     shutdown: Vec<oneshot::Sender<()>>,
     tasks: Vec<JoinHandle<()>>,
@@ -49,6 +53,15 @@ impl StorageNode {
         let catalog = Arc::new(NodeCatalog::open(&config.data_directory)?);
         let executor = Arc::new(SliceExecutor::new(catalog, config.execute.clone()));
         let io = |error: std::io::Error| DataFusionError::External(Box::new(error));
+        let pool = Arc::new(
+            PushdownPool::new(
+                config.execute.pushdown_workers,
+                config.execute.pushdown_queue_max,
+                config.execute.pushdown_wait,
+            )
+            .map_err(io)?,
+        );
+        let faults = Arc::new(Faults::new());
         let flight_listener = TcpListener::bind(config.flight_address).await.map_err(io)?;
         let range_listener = TcpListener::bind(config.range_address).await.map_err(io)?;
         let flight_address = flight_listener.local_addr().map_err(io)?;
@@ -69,13 +82,17 @@ impl StorageNode {
             }
         });
 
-        let service =
-            StorageFlightService::new(Arc::clone(&executor), format!("http://{range_address}"));
+        let service = StorageFlightService::new(
+            Arc::clone(&executor),
+            Arc::clone(&pool),
+            Arc::clone(&faults),
+            format!("http://{range_address}"),
+        );
         let server = FlightServiceServer::new(service)
             .max_decoding_message_size(FLIGHT_MESSAGE_BYTES_MAX)
             .max_encoding_message_size(FLIGHT_MESSAGE_BYTES_MAX);
         let (flight_stop, flight_stopped) = oneshot::channel::<()>();
-        let incoming = tokio_stream_from(flight_listener);
+        let incoming = tokio_stream_from(flight_listener, Arc::clone(&faults));
         let flight_task = tokio::spawn(async move {
             let served = tonic::transport::Server::builder()
                 .add_service(server)
@@ -86,10 +103,19 @@ impl StorageNode {
                 log::error!("flight service stopped: {error}");
             }
         });
+        // A killed node stops listening: new connections are refused.
+        let handles = [range_task.abort_handle(), flight_task.abort_handle()];
+        faults.on_kill(Box::new(move || {
+            for handle in handles {
+                handle.abort();
+            }
+        }));
         Ok(Self {
             flight_address,
             range_address,
             executor,
+            pool,
+            faults,
             range_bytes_served,
             shutdown: vec![range_stop, flight_stop],
             tasks: vec![range_task, flight_task],
@@ -116,13 +142,25 @@ impl StorageNode {
         &self.executor
     }
 
+    /// The pushdown pool.
+    pub fn pool(&self) -> &Arc<PushdownPool> {
+        &self.pool
+    }
+
+    /// The node's fault switch (kill, freeze), for failure tests.
+    pub fn faults(&self) -> &Arc<Faults> {
+        &self.faults
+    }
+
     /// Bytes served by the byte-range endpoint so far.
     pub fn range_bytes_served(&self) -> u64 {
         self.range_bytes_served.load(Ordering::Relaxed)
     }
 
-    /// Stop at once, dropping open connections (a crash, as far as clients can tell).
+    /// Stop at once, dropping open connections mid-stream (a crash, as far
+    /// as clients can tell).
     pub fn kill(mut self) {
+        self.faults.kill();
         for task in self.tasks.drain(..) {
             task.abort();
         }
@@ -150,12 +188,16 @@ impl Drop for StorageNode {
 /// Accepted connections of `listener` as the stream tonic serves.
 fn tokio_stream_from(
     listener: TcpListener,
-) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    futures::stream::unfold(listener, |listener| async move {
-        let accepted = listener.accept().await.map(|(stream, _)| {
-            let _ = stream.set_nodelay(true);
-            stream
-        });
-        Some((accepted, listener))
+    faults: Arc<Faults>,
+) -> impl futures::Stream<Item = std::io::Result<FaultyStream>> {
+    futures::stream::unfold(listener, move |listener| {
+        let faults = Arc::clone(&faults);
+        async move {
+            let accepted = listener.accept().await.map(|(stream, _)| {
+                let _ = stream.set_nodelay(true);
+                faults.wrap(stream)
+            });
+            Some((accepted, listener))
+        }
     })
 }

@@ -126,7 +126,7 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
     let root = options
         .data_directory
         .join(format!("tpch-sf{}", options.scale_factor));
-    if !sieve_format::is_generated(&root) {
+    if !sieve_format::is_generated(&root, options.nodes, 1) {
         eprintln!(
             "generating TPC-H SF {} into {} ...",
             options.scale_factor,
@@ -137,6 +137,7 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         &root,
         options.scale_factor,
         options.nodes,
+        1,
         &SliceLayout::default(),
     )?;
     if !node_directory(&root, options.nodes - 1).is_dir()
