@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use datafusion::common::Result;
+use sieve_cli::bench::streams::{format_streams, run_streams, StreamsOptions};
 use sieve_cli::bench::{run_bench, BenchOptions, LinkSpec, Mode};
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::demo::{ensure_data, format_table, run_demo, DemoOptions};
@@ -114,6 +115,34 @@ enum Command {
         #[arg(long, default_value = "bench-results")]
         out: PathBuf,
         /// A session setting for the Sieve modes, e.g. --set sieve.join_filters=false.
+        #[arg(long = "set")]
+        settings: Vec<String>,
+    },
+    /// Throughput of concurrent TPC-H streams (NDP on) against storage nodes
+    /// with different pushdown pools, and recovery from a node killed halfway.
+    Streams {
+        /// TPC-H scale factor.
+        #[arg(long, default_value_t = 1.0)]
+        sf: f64,
+        /// Storage nodes (in this process, loopback).
+        #[arg(long, default_value_t = 3)]
+        nodes: usize,
+        /// Copies of each slice.
+        #[arg(long, default_value_t = 2)]
+        replicas: usize,
+        /// Concurrent query streams, each running the 22 queries.
+        #[arg(long, default_value_t = 8)]
+        streams: usize,
+        /// Pushdown workers per node to compare (default: the cores, then 1).
+        #[arg(long, value_delimiter = ',')]
+        pools: Vec<usize>,
+        /// Also run the first pool size with node 1 killed halfway.
+        #[arg(long)]
+        kill: bool,
+        /// Data directory (data in DIR/tpch-sfX-rR).
+        #[arg(long, default_value = "sieve-data")]
+        data: PathBuf,
+        /// A session setting for every stream.
         #[arg(long = "set")]
         settings: Vec<String>,
     },
@@ -299,6 +328,35 @@ async fn run(cli: Cli) -> Result<()> {
                 out.display(),
                 if replicas == 1 { "y" } else { "ies" }
             );
+            Ok(())
+        }
+        Command::Streams {
+            sf,
+            nodes,
+            replicas,
+            streams,
+            pools,
+            kill,
+            data,
+            settings,
+        } => {
+            let pools = if pools.is_empty() {
+                vec![ExecuteOptions::default().pushdown_workers, 1]
+            } else {
+                pools
+            };
+            let options = StreamsOptions {
+                scale_factor: sf,
+                nodes,
+                replicas,
+                streams,
+                pools,
+                kill,
+                data_directory: data,
+                settings,
+            };
+            let reports = run_streams(&options).await?;
+            println!("{}", format_streams(&options, &reports));
             Ok(())
         }
         Command::Storage {

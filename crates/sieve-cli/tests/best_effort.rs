@@ -379,3 +379,37 @@ async fn a_node_busy_with_pushdown_still_answers_plain_reads_and_catalog_request
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parallelism_on_three_levels_is_in_the_scan_metrics() {
+    let root = test_data();
+    let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
+    let session = connect_session(&cluster.urls()).await.unwrap();
+    session
+        .context
+        .sql("set datafusion.execution.target_partitions = 2")
+        .await
+        .unwrap();
+    let (_, metrics) = run_with_scan_metrics(
+        &session,
+        "select l_returnflag, sum(l_quantity) from lineitem where l_quantity < 40 group by l_returnflag",
+        &[
+            "partitions",
+            "requests_in_flight_max",
+            "nodes_in_flight_max",
+            "storage_slices_running_max",
+        ],
+    )
+    .await
+    .unwrap();
+    let [partitions, requests, nodes, running] = metrics[..] else {
+        unreachable!()
+    };
+    assert_eq!(partitions, 2, "{metrics:?}");
+    assert!(requests > 1, "several slice requests at once: {metrics:?}");
+    assert!(nodes > 1, "several storage nodes at once: {metrics:?}");
+    assert!(
+        running >= 1,
+        "a storage node's own parallelism: {metrics:?}"
+    );
+}

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use arrow::datatypes::SchemaRef;
@@ -60,6 +60,20 @@ pub struct ClusterCatalog {
     pub nodes: Arc<Vec<NodeState>>,
     /// When the catalog was made: the epoch of [`NodeState::failed_at_ms`].
     pub epoch: Instant,
+    /// Every slice request that failed on a node and was then served by
+    /// another replica, for measuring recovery.
+    pub recoveries: Arc<Mutex<Vec<Recovery>>>,
+}
+
+/// A slice request that failed on one node and was served by another.
+#[derive(Debug, Clone)]
+pub struct Recovery {
+    /// The node that failed first.
+    pub failed_node: usize,
+    /// When the first failure was noticed.
+    pub detected: Instant,
+    /// When the slice was complete from another replica.
+    pub recovered: Instant,
 }
 
 /// How long a node that failed a request is tried after its replicas.
@@ -184,6 +198,7 @@ impl ClusterCatalog {
             tables,
             nodes,
             epoch: Instant::now(),
+            recoveries: Arc::new(Mutex::new(Vec::new())),
         })
     }
 }

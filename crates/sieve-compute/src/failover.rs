@@ -15,13 +15,14 @@
 //! every node tried.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use datafusion::common::{DataFusionError, Result};
 use futures::stream::BoxStream;
 use futures::{stream, StreamExt, TryStreamExt};
 
+use crate::catalog::Recovery;
 use crate::client::{as_node_failure, SlicePart};
 use crate::{ClusterCatalog, ClusterSlice, Traffic};
 
@@ -99,6 +100,8 @@ pub(crate) fn request_slice(
         let attempts = order.len().min(requests.settings.retries + 1).max(1);
         let mut failures: Vec<String> = Vec::new();
         let mut failed: Vec<Result<SlicePart>> = Vec::new();
+        // The first failure, for the recovery record.
+        let mut first_failure: Option<(usize, Instant)> = None;
         for (attempt, &node) in order.iter().take(attempts).enumerate() {
             let client = &requests.catalog.clients[node];
             let in_flight = InFlight::start(&requests, node);
@@ -114,8 +117,14 @@ pub(crate) fn request_slice(
                     slice.summary.slice,
                     slice.replicas.len(),
                 );
+                let recoveries = Arc::clone(&requests.catalog.recoveries);
                 let live = parts.map(move |part| {
                     let _counted = &in_flight;
+                    if let (Ok(SlicePart::Done { .. }), Some((failed_node, detected))) =
+                        (&part, first_failure)
+                    {
+                        record(&recoveries, failed_node, detected);
+                    }
                     part.map_err(|error| {
                         if as_node_failure(&error).is_none() {
                             return error;
@@ -130,11 +139,15 @@ pub(crate) fn request_slice(
             match parts.try_collect::<Vec<SlicePart>>().await {
                 Ok(parts) => {
                     drop(in_flight);
+                    if let Some((failed_node, detected)) = first_failure {
+                        record(&requests.catalog.recoveries, failed_node, detected);
+                    }
                     failed.extend(parts.into_iter().map(Ok));
                     return Ok(stream::iter(failed).boxed());
                 }
                 Err(error) if as_node_failure(&error).is_some() => {
                     drop(in_flight);
+                    first_failure.get_or_insert((node, Instant::now()));
                     requests.catalog.mark_failed(node);
                     log::warn!(
                         "slice {} of {}: {error}; trying another replica",
@@ -154,6 +167,14 @@ pub(crate) fn request_slice(
     })
     .try_flatten()
     .boxed()
+}
+
+fn record(recoveries: &Mutex<Vec<Recovery>>, failed_node: usize, detected: Instant) {
+    recoveries.lock().expect("never poisoned").push(Recovery {
+        failed_node,
+        detected,
+        recovered: Instant::now(),
+    });
 }
 
 fn every_replica_failed(

@@ -8,7 +8,10 @@
 //!     sieve.ndp = on : SieveScanExec (scan.rs)
 //!                       one NDP fragment per scan, one DoGet per slice,
 //!                       all storage nodes at once, a bounded number in flight
-//!                       per partition (client.rs)
+//!                       per partition (client.rs), each to the least-loaded
+//!                       replica and retried on another if its node fails
+//!                       (failover.rs); slices a busy node served raw are
+//!                       completed here with the same fragment (raw.rs)
 //!                     [+ FilterExec for conjuncts outside the allow-list]
 //!     sieve.ndp = off: DataSourceExec(ParquetSource) reading slice files by
 //!                       byte range from the storage nodes (range_store.rs),
@@ -37,7 +40,9 @@ mod table;
 mod traffic;
 
 pub use build_keys::{BuildKeys, BuildKeysExec, CollectedKeys};
-pub use catalog::{ClusterCatalog, ClusterSlice, ClusterTable, NodeState, NODE_SUSPECT_MS};
+pub use catalog::{
+    ClusterCatalog, ClusterSlice, ClusterTable, NodeState, Recovery, NODE_SUSPECT_MS,
+};
 pub use client::{as_node_failure, NodeFailure, SlicePart, StorageClient};
 pub use config::{NdpMode, SieveConfig};
 pub use failover::FailoverSettings;

@@ -23,6 +23,7 @@ pub mod link;
 pub mod nodes;
 pub mod report;
 pub mod results;
+pub mod streams;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
