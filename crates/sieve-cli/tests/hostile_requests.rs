@@ -48,7 +48,13 @@ struct Fixture {
 }
 
 async fn fixture() -> Fixture {
-    let cluster = EmbeddedCluster::start(&test_data(), 1).await.unwrap();
+    fixture_with(sieve_storage::ExecuteOptions::default()).await
+}
+
+async fn fixture_with(options: sieve_storage::ExecuteOptions) -> Fixture {
+    let cluster = EmbeddedCluster::start_with(&test_data(), 1, options)
+        .await
+        .unwrap();
     let channel = tonic::transport::Endpoint::from_shared(cluster.urls()[0].clone())
         .unwrap()
         .connect()
@@ -289,5 +295,37 @@ async fn unknown_ipc_codec_is_refused_and_each_known_one_is_served() {
             "{codec:?} served"
         );
     }
+    assert_still_serving(&mut fixture).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_serving_raw_refuses_the_same_requests() {
+    // Without pushdown workers every slice is served raw: a bad request
+    // must still be refused, not shipped as pages.
+    let mut fixture = fixture_with(sieve_storage::ExecuteOptions {
+        pushdown_workers: 0,
+        ..sieve_storage::ExecuteOptions::default()
+    })
+    .await;
+    assert_refused(
+        &mut fixture,
+        FragmentEnvelope::new("region", 1, vec![0xff; 7]).encode_to_vec(),
+        Code::InvalidArgument,
+        "malformed NDP fragment body",
+    )
+    .await;
+    let body = first_column(&fixture.schema);
+    let ticket = FragmentEnvelope::new("region", 1, body)
+        .with_row_groups(vec![0, 4_000_000_000])
+        .encode_to_vec();
+    assert_refused(
+        &mut fixture,
+        ticket,
+        Code::InvalidArgument,
+        "row group 4000000000 of slice 1 of region does not exist",
+    )
+    .await;
+    let ticket = FragmentEnvelope::new("region", 7, first_column(&fixture.schema)).encode_to_vec();
+    assert_refused(&mut fixture, ticket, Code::NotFound, "slice 7").await;
     assert_still_serving(&mut fixture).await;
 }
