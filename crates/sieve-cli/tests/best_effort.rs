@@ -20,20 +20,12 @@ use sieve_fragment::{Fragment, FragmentEnvelope, IpcCodec, SliceMessage, SliceMe
 use sieve_storage::ExecuteOptions;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const NODES: usize = 3;
+mod common;
 
-/// TPC-H SF 0.01 in small slices (as the end-to-end tests use), one copy.
+use common::NODES;
+
 fn test_data() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "tpch-sf0.01-slices5000-rg1024-v{}",
-        sieve_format::FORMAT_VERSION
-    ));
-    let layout = SliceLayout {
-        slice_rows_max: 5000,
-        row_group_rows_max: 1024,
-        ..SliceLayout::default()
-    };
-    generated_tpch(&root, 0.01, NODES, 1, &layout).expect("generate TPC-H")
+    common::small_slices(1)
 }
 
 /// Run `sql` and sum the metric `names` over every Sieve scan of its plan.

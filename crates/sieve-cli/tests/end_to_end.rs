@@ -5,32 +5,17 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use datafusion::physical_plan::{collect, ExecutionPlan};
-use sieve_cli::cluster::{generated_tpch, EmbeddedCluster};
+use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_cli::queries::{is_ordered, TPCH_QUERIES};
 use sieve_compute::{connect_session, SieveScanExec, SieveSession};
-use sieve_format::SliceLayout;
 
-const NODES: usize = 3;
-const SCALE_FACTOR: f64 = 0.01;
+mod common;
 
-/// TPC-H SF 0.01 with small slices (so every table spans several slices and
-/// nodes), generated once per build into the target directory. Concurrent
-/// test processes each generate into their own directory and rename it into
-/// place; the loser discards its copy.
+use common::NODES;
+
 fn test_data() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "tpch-sf0.01-slices5000-rg1024-v{}",
-        sieve_format::FORMAT_VERSION
-    ));
-    // Row groups of 1024 rows: tables of fewer slices than twice the
-    // partitions are read in row-group ranges, which the tests then cover.
-    let layout = SliceLayout {
-        slice_rows_max: 5000,
-        row_group_rows_max: 1024,
-        ..SliceLayout::default()
-    };
-    generated_tpch(&root, SCALE_FACTOR, NODES, 1, &layout).expect("generate TPC-H")
+    common::small_slices(1)
 }
 
 async fn start() -> (PathBuf, EmbeddedCluster, SieveSession) {

@@ -5,32 +5,18 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use sieve_cli::cluster::{generated_tpch, EmbeddedCluster};
+use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_cli::queries::{is_ordered, TPCH_QUERIES};
 use sieve_compute::{connect_session, SieveSession};
-use sieve_format::SliceLayout;
 use sieve_storage::ExecuteOptions;
 
-const NODES: usize = 3;
+mod common;
 
-/// TPC-H SF 0.01 in small slices, each slice on `replicas` nodes.
+use common::NODES;
+
 fn test_data(replicas: usize) -> PathBuf {
-    let suffix = if replicas > 1 {
-        format!("-r{replicas}")
-    } else {
-        String::new()
-    };
-    let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "tpch-sf0.01-slices5000-rg1024{suffix}-v{}",
-        sieve_format::FORMAT_VERSION
-    ));
-    let layout = SliceLayout {
-        slice_rows_max: 5000,
-        row_group_rows_max: 1024,
-        ..SliceLayout::default()
-    };
-    generated_tpch(&root, 0.01, NODES, replicas, &layout).expect("generate TPC-H")
+    common::small_slices(replicas)
 }
 
 /// Nodes that ship small batches, so a slice is many messages and a node
