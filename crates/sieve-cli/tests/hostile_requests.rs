@@ -329,3 +329,109 @@ async fn a_node_serving_raw_refuses_the_same_requests() {
     assert_refused(&mut fixture, ticket, Code::NotFound, "slice 7").await;
     assert_still_serving(&mut fixture).await;
 }
+
+/// One raw HTTP/1.1 exchange with the byte-range endpoint: the status line
+/// and headers (lower-cased names), the body dropped.
+async fn http(
+    address: std::net::SocketAddr,
+    request_line: &str,
+    extra: &str,
+) -> (String, Vec<(String, String)>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let request = format!("{request_line}\r\nHost: {address}\r\n{extra}Connection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.unwrap();
+    let text = String::from_utf8_lossy(&answer);
+    let head = text.split("\r\n\r\n").next().unwrap_or_default();
+    let mut lines = head.split("\r\n");
+    let status = lines.next().unwrap_or_default().to_string();
+    let headers = lines
+        .filter_map(|line| line.split_once(':'))
+        .map(|(name, value)| (name.trim().to_ascii_lowercase(), value.trim().to_string()))
+        .collect();
+    (status, headers)
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(key, _)| key == name)
+        .map(|(_, value)| value.as_str())
+}
+
+#[tokio::test]
+async fn byte_range_endpoint_names_the_file_version_and_refuses_what_it_does_not_hold() {
+    let fixture = fixture().await;
+    let node = &fixture._cluster.nodes[0];
+    let address = node.range_address();
+    let catalog = node.executor().catalog();
+    let (_, slice) = catalog.slice("region", 1).unwrap();
+    let path = format!("/slices/region/{}", slice.summary.file);
+
+    // HTTP readers that cache (DuckDB's httpfs) validate with ETag and
+    // Last-Modified; both are present, and stable from one request to the
+    // next, for HEAD, a whole GET and a range.
+    let (status, head) = http(address, &format!("HEAD {path} HTTP/1.1"), "").await;
+    assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+    let etag = header(&head, "etag").expect("ETag").to_string();
+    assert!(
+        etag.starts_with('"') && etag.ends_with('"') && etag.len() > 2,
+        "{etag}"
+    );
+    let modified = header(&head, "last-modified").expect("Last-Modified");
+    let parsed = httpdate::parse_http_date(modified).expect("an HTTP date");
+    let age = std::time::SystemTime::now()
+        .duration_since(parsed)
+        .unwrap_or_default();
+    assert!(
+        age < std::time::Duration::from_secs(365 * 24 * 3600),
+        "{modified}"
+    );
+    assert_eq!(
+        header(&head, "content-length"),
+        Some(slice.summary.bytes.to_string().as_str())
+    );
+    let (status, whole) = http(address, &format!("GET {path} HTTP/1.1"), "").await;
+    assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+    assert_eq!(header(&whole, "etag"), Some(etag.as_str()));
+    let (status, ranged) = http(
+        address,
+        &format!("GET {path} HTTP/1.1"),
+        "Range: bytes=-8\r\n",
+    )
+    .await;
+    assert!(status.starts_with("HTTP/1.1 206"), "{status}");
+    assert_eq!(header(&ranged, "etag"), Some(etag.as_str()));
+    assert_eq!(
+        header(&ranged, "content-range"),
+        Some(
+            format!(
+                "bytes {}-{}/{}",
+                slice.summary.bytes - 8,
+                slice.summary.bytes - 1,
+                slice.summary.bytes
+            )
+            .as_str()
+        )
+    );
+
+    // What the catalog does not name is not served, however it is spelled.
+    for hostile in [
+        "/slices/region/..%2F..%2F_SUCCESS",
+        "/slices/region/../../_SUCCESS",
+        "/slices/nosuch/x.parquet",
+        "/slices/region/x.parquet",
+    ] {
+        let (status, _) = http(address, &format!("GET {hostile} HTTP/1.1"), "").await;
+        assert!(status.starts_with("HTTP/1.1 404"), "{hostile}: {status}");
+    }
+    let (status, _) = http(
+        address,
+        &format!("GET {path} HTTP/1.1"),
+        &format!("Range: bytes={}-\r\n", slice.summary.bytes + 10),
+    )
+    .await;
+    assert!(status.starts_with("HTTP/1.1 416"), "{status}");
+}

@@ -29,6 +29,10 @@ pub struct CatalogSlice {
     /// The file's footer as stored (its Thrift metadata, without the page
     /// indexes), shipped with a raw slice so the compute node can decode it.
     pub footer: bytes::Bytes,
+    /// When the slice file was last written, as the file system says; with
+    /// the size it is the file's version for HTTP readers (`ETag`,
+    /// `Last-Modified`).
+    pub modified: std::time::SystemTime,
 }
 
 /// One table the node holds part of.
@@ -164,7 +168,9 @@ fn open_slice(
     path: &Path,
 ) -> Result<(SchemaRef, CatalogSlice)> {
     let file = File::open(path)?;
-    let bytes = file.metadata()?.len();
+    let file_metadata = file.metadata()?;
+    let bytes = file_metadata.len();
+    let modified = file_metadata.modified()?;
     let options = ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Required);
     let reader_metadata = ArrowReaderMetadata::load(&file, options)?;
     // The schema without the file's key-value metadata: that describes one
@@ -233,6 +239,7 @@ fn open_slice(
             object_path,
             metadata,
             footer: read_footer(&file, bytes)?,
+            modified,
         },
     ))
 }

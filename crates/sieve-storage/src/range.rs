@@ -87,7 +87,22 @@ async fn serve_inner(
             format!("range of {length} bytes is above the limit of {RANGE_BYTES_MAX}"),
         ));
     }
+    // Slices are written once (temp file, fsync, rename) and never changed
+    // in place, so size and modification time identify a version. HTTP
+    // readers that cache (DuckDB's external file cache) validate with these;
+    // without them DuckDB 1.4 falls back to arithmetic on an unset timestamp
+    // and fails the query now and then ("Overflow in timestamp subtraction").
+    let modified_nanos = slice
+        .modified
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|since| since.as_nanos())
+        .unwrap_or(0);
     let mut builder = Response::builder()
+        .header(header::ETAG, format!("\"{size:x}-{modified_nanos:x}\""))
+        .header(
+            header::LAST_MODIFIED,
+            httpdate::fmt_http_date(slice.modified),
+        )
         .header(header::ACCEPT_RANGES, "bytes")
         .header(header::CONTENT_LENGTH, length)
         .header(header::CONTENT_TYPE, "application/vnd.apache.parquet");
