@@ -170,9 +170,10 @@ enum Command {
         /// threads); 0 serves every slice raw. Default: the cores.
         #[arg(long)]
         pushdown_workers: Option<usize>,
-        /// Requests that may wait for a pushdown worker; beyond, served raw.
-        #[arg(long, default_value_t = ExecuteOptions::default().pushdown_queue_max)]
-        pushdown_queue: usize,
+        /// Requests that may wait for a pushdown worker; beyond, served raw at
+        /// once. Default: 4 per worker.
+        #[arg(long)]
+        pushdown_queue: Option<usize>,
         /// Longest wait for a pushdown worker before a slice is served raw, ms.
         #[arg(long, default_value_t = sieve_storage::DEFAULT_PUSHDOWN_WAIT_MS)]
         pushdown_wait_ms: u64,

@@ -114,7 +114,7 @@ async fn a_small_pool_under_concurrent_queries_mixes_raw_and_processed_slices() 
         NODES,
         ExecuteOptions {
             pushdown_workers: 1,
-            pushdown_queue_max: 2,
+            pushdown_queue_max: Some(2),
             pushdown_wait: Duration::from_millis(1),
             ..ExecuteOptions::default()
         },

@@ -58,9 +58,13 @@ pub struct ExecuteOptions {
     /// pushdown pool. Zero serves every slice raw.
     pub pushdown_workers: usize,
     /// Requests that may wait for a pushdown worker; beyond, a request is
-    /// served raw at once.
-    pub pushdown_queue_max: usize,
-    /// Longest a request waits for a pushdown worker before it is served raw.
+    /// served raw at once. The default, [`PUSHDOWN_QUEUE_PER_WORKER`] per
+    /// worker, lets one query's requests queue (a compute node asks for a
+    /// few slices per partition at once) and sends the surplus of an
+    /// overloaded node raw without making it wait first. None: that default.
+    pub pushdown_queue_max: Option<usize>,
+    /// Longest a request waits for a pushdown worker before it is served
+    /// raw: the safety valve for a node whose slices run unusually long.
     pub pushdown_wait: Duration,
 }
 
@@ -75,14 +79,30 @@ impl Default for ExecuteOptions {
             fragment_cache_entries_max: 1024,
             ipc_compression: IpcCodec::Auto,
             pushdown_workers: cores,
-            pushdown_queue_max: 64,
+            pushdown_queue_max: None,
             pushdown_wait: Duration::from_millis(DEFAULT_PUSHDOWN_WAIT_MS),
         }
     }
 }
 
-/// Default of [`ExecuteOptions::pushdown_wait`], in milliseconds.
-pub const DEFAULT_PUSHDOWN_WAIT_MS: u64 = 50;
+/// Default of [`ExecuteOptions::pushdown_wait`], in milliseconds. At 50 ms
+/// (the first default) a lone TPC-H query at SF 1 already had slices served
+/// raw: its 7 lineitem requests over 3 nodes of 2 workers queue one slice
+/// deep, and a slice takes 100-300 ms, so Q1 shipped 7.2 MB instead of a
+/// few kilobytes. Queue depth, not a short timer, is what says a node is
+/// overloaded.
+pub const DEFAULT_PUSHDOWN_WAIT_MS: u64 = 1000;
+
+/// Default requests waiting per pushdown worker: four rounds of slices.
+pub const PUSHDOWN_QUEUE_PER_WORKER: usize = 4;
+
+impl ExecuteOptions {
+    /// Requests that may wait for a pushdown worker, the default resolved.
+    pub fn queue_max(&self) -> usize {
+        self.pushdown_queue_max
+            .unwrap_or(PUSHDOWN_QUEUE_PER_WORKER * self.pushdown_workers)
+    }
+}
 
 /// Runs fragments over the slices of one node's catalog.
 #[derive(Debug)]

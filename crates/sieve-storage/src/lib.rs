@@ -37,6 +37,7 @@ pub use catalog::{CatalogSlice, CatalogTable, NodeCatalog};
 pub use coarse::MatchHints;
 pub use execute::{
     Admitted, ExecuteOptions, NodeCounters, SliceExecutor, DEFAULT_PUSHDOWN_WAIT_MS,
+    PUSHDOWN_QUEUE_PER_WORKER,
 };
 pub use faults::{Faults, FaultyStream};
 pub use flight::{StorageFlightService, STATS_ACTION};

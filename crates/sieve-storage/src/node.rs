@@ -56,7 +56,7 @@ impl StorageNode {
         let pool = Arc::new(
             PushdownPool::new(
                 config.execute.pushdown_workers,
-                config.execute.pushdown_queue_max,
+                config.execute.queue_max(),
                 config.execute.pushdown_wait,
             )
             .map_err(io)?,
