@@ -38,6 +38,10 @@ extensions_options! {
         pub join_filter_keys_max: usize, default = 262144
         /// False-positive rate the join Bloom filters are sized for.
         pub join_filter_bloom_fpp: f64, default = 0.01
+        /// Integer keys go as an exact bitmap over their range instead of a
+        /// Bloom filter when the bitmap takes at most this many bytes, or at
+        /// most twice the Bloom filter's; 0 turns key bitmaps off.
+        pub join_filter_bitmap_bytes: usize, default = 65536
         /// Longest wait for a join's build side before a probe scan goes
         /// ahead without its filter, in milliseconds.
         pub join_filter_wait_ms: u64, default = 60000
@@ -73,6 +77,7 @@ impl SieveConfig {
             list_max: self.join_filter_list_max,
             keys_max: self.join_filter_keys_max,
             bloom_fpp: self.join_filter_bloom_fpp,
+            bitmap_bytes: self.join_filter_bitmap_bytes,
             wait: Duration::from_millis(self.join_filter_wait_ms),
         }
     }

@@ -13,8 +13,12 @@
 //! - **list**: `key IN (...)` when there are at most
 //!   `sieve.join_filter_list_max` distinct keys; Bloom filters on the slice's
 //!   key columns prune row groups with it;
-//! - **bloom**: a [`BloomFilterExpr`] when there are more (up to
-//!   `sieve.join_filter_keys_max`), sized for `sieve.join_filter_bloom_fpp`.
+//! - **bitmap**: a [`KeyBitmapExpr`] when there are more and they are
+//!   integers in a range narrow enough that one bit per value takes at most
+//!   `sieve.join_filter_bitmap_bytes`, or twice the Bloom filter's bytes: exact,
+//!   and cheaper to probe than a Bloom filter;
+//! - **bloom**: a [`BloomFilterExpr`] otherwise (up to
+//!   `sieve.join_filter_keys_max` keys), sized for `sieve.join_filter_bloom_fpp`.
 //!
 //! Every part is implied by the join's own filter, so applying it before the
 //! join removes only rows the join would drop: the join still does the exact
@@ -39,7 +43,7 @@ use datafusion::physical_expr::expressions::{
 };
 use datafusion::physical_expr::{split_conjunction, PhysicalExpr};
 use datafusion::physical_expr_common::physical_expr::snapshot_physical_expr;
-use sieve_fragment::BloomFilterExpr;
+use sieve_fragment::{BloomFilterExpr, KeyBitmapExpr, KEY_BITMAP_BYTES_MAX};
 
 use crate::build_keys::{BuildKeys, CollectedKeys};
 
@@ -68,6 +72,9 @@ pub struct JoinFilterSettings {
     pub keys_max: usize,
     /// False-positive rate the Bloom filter is sized for.
     pub bloom_fpp: f64,
+    /// A key bitmap replaces the Bloom filter when it takes at most this
+    /// many bytes or at most twice the Bloom filter's (0: never).
+    pub bitmap_bytes: usize,
     /// Upper bound on waiting for a join's build side, after which the scan
     /// goes ahead with whatever the filter holds then.
     pub wait: Duration,
@@ -439,13 +446,31 @@ fn build(
                 parts.push(format!("list ({keys} keys)"));
             } else if keys <= settings.keys_max {
                 let data_type = key.data_type(table_schema)?;
-                let bloom = BloomFilterExpr::try_new(key, data_type, &members, settings.bloom_fpp)?;
-                parts.push(format!(
-                    "bloom ({keys} keys, fpp {}, {} bytes)",
-                    settings.bloom_fpp,
-                    bloom.bitset().len()
-                ));
-                conjuncts.push(Arc::new(bloom));
+                let bloom_bytes = BloomFilterExpr::bytes_for(keys as u64, settings.bloom_fpp);
+                let bitmap_budget = settings
+                    .bitmap_bytes
+                    .max(2 * bloom_bytes)
+                    .min(KEY_BITMAP_BYTES_MAX);
+                let bitmap_bytes = KeyBitmapExpr::bytes_for(&members, &data_type)?
+                    .filter(|&bytes| settings.bitmap_bytes > 0 && bytes <= bitmap_budget);
+                if bitmap_bytes.is_some() {
+                    let bitmap = KeyBitmapExpr::try_new(key, data_type, &members)?;
+                    parts.push(format!(
+                        "bitmap ({keys} keys over {} values, {} bytes)",
+                        bitmap.bits(),
+                        bitmap.byte_len()
+                    ));
+                    conjuncts.push(Arc::new(bitmap));
+                } else {
+                    let bloom =
+                        BloomFilterExpr::try_new(key, data_type, &members, settings.bloom_fpp)?;
+                    parts.push(format!(
+                        "bloom ({keys} keys, fpp {}, {} bytes)",
+                        settings.bloom_fpp,
+                        bloom.bitset().len()
+                    ));
+                    conjuncts.push(Arc::new(bloom));
+                }
             } else {
                 parts.push(format!(
                     "{keys} keys, above sieve.join_filter_keys_max: no membership test"
@@ -471,6 +496,7 @@ mod tests {
             list_max: 3,
             keys_max: 1000,
             bloom_fpp: 0.01,
+            bitmap_bytes: 0,
             wait: Duration::from_secs(1),
         }
     }
@@ -570,6 +596,60 @@ mod tests {
             .downcast_ref::<arrow::array::BooleanArray>()
             .unwrap();
         assert!(matched.value(0) && matched.value(1) && matched.value(2));
+    }
+
+    /// Narrow integer keys go as an exact bitmap, keys spread too wide for
+    /// one as a Bloom filter, and a budget of 0 turns bitmaps off.
+    #[test]
+    fn narrow_integer_keys_become_a_bitmap_wide_ones_a_bloom_filter() {
+        let schema = Schema::new(vec![Field::new("k", DataType::Int64, true)]);
+        let probe = ProbeColumns {
+            shipped: &[0],
+            table_schema: &schema,
+            distinct_bounds: &[None],
+        };
+        let blooms = JoinFilterSettings {
+            keys_max: 10_000,
+            ..settings()
+        };
+        let with_bitmaps = JoinFilterSettings {
+            bitmap_bytes: 65536,
+            ..blooms.clone()
+        };
+        let summary = |keys: Vec<i64>| KeySummary {
+            members: vec![(0, Arc::new(Int64Array::from(keys)) as ArrayRef)],
+            ..KeySummary::default()
+        };
+        let narrow = summary((0..4000).map(|k| k * 7 + 1000).collect());
+        let (conjuncts, description) = build(&narrow, &with_bitmaps, probe).unwrap();
+        assert_eq!(
+            description, "bitmap (4000 keys over 27994 values, 3504 bytes)",
+            "{description}"
+        );
+        let bitmap = conjuncts[0].downcast_ref::<KeyBitmapExpr>().unwrap();
+        let batch = arrow::record_batch::RecordBatch::try_new(
+            Arc::new(schema.clone()),
+            vec![Arc::new(Int64Array::from(vec![
+                Some(1000),
+                Some(1001),
+                None,
+                Some(28_993),
+                Some(28_994),
+            ]))],
+        )
+        .unwrap();
+        let matched = bitmap.evaluate(&batch).unwrap().into_array(5).unwrap();
+        let matched = matched.as_boolean();
+        assert!(matched.value(0) && !matched.value(1) && matched.is_null(2));
+        assert!(matched.value(3) && !matched.value(4));
+
+        let (conjuncts, description) = build(&narrow, &blooms, probe).unwrap();
+        assert!(description.starts_with("bloom (4000 keys"), "{description}");
+        assert!(conjuncts[0].downcast_ref::<BloomFilterExpr>().is_some());
+
+        let wide = summary((0..4000).map(|k| k * 1_000_000).collect());
+        let (_, description) = build(&wide, &with_bitmaps, probe).unwrap();
+        assert!(description.starts_with("bloom (4000 keys"), "{description}");
     }
 
     #[test]

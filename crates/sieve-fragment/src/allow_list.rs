@@ -19,7 +19,7 @@ use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::ExecutionPlan;
 
-use crate::{BloomFilterExpr, SliceInputExec};
+use crate::{BloomFilterExpr, KeyBitmapExpr, SliceInputExec};
 
 /// Aggregate functions a storage node runs as a partial aggregation. Each is
 /// deterministic, and its partial state merges exactly on the compute node,
@@ -162,6 +162,7 @@ pub fn check_allowed(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Result<()
         || expr.downcast_ref::<LikeExpr>().is_some()
         || expr.downcast_ref::<CaseExpr>().is_some()
         || expr.downcast_ref::<BloomFilterExpr>().is_some()
+        || expr.downcast_ref::<KeyBitmapExpr>().is_some()
     {
         // Structural expressions: their children and output type are checked.
     } else {

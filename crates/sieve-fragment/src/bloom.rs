@@ -88,6 +88,8 @@ macro_rules! with_integer_keys {
     };
 }
 
+pub(crate) use with_integer_keys;
+
 /// `input` may be one of the keys the filter was built from.
 #[derive(Clone)]
 pub struct BloomFilterExpr {
@@ -135,6 +137,12 @@ impl BloomFilterExpr {
             keys: distinct,
             fpp,
         })
+    }
+
+    /// Bytes of a filter for `keys` distinct keys at false-positive rate
+    /// `fpp` (a power of two, at least one 32-byte block).
+    pub fn bytes_for(keys: u64, fpp: f64) -> usize {
+        bytes_for(keys, fpp)
     }
 
     /// Rebuild a filter received on the wire.

@@ -4,7 +4,8 @@
 //! leaf is a [`SliceInputExec`]: a placeholder for "the slice, filtered and
 //! projected by this fragment". The storage node decodes the plan once and
 //! puts its slice scan in the placeholder's place for every slice.
-//! [`BloomFilterExpr`] is the other extension this codec knows.
+//! [`BloomFilterExpr`] and [`KeyBitmapExpr`], the join filters' membership
+//! tests, are the other extensions this codec knows.
 
 use std::fmt;
 use std::sync::Arc;
@@ -23,7 +24,7 @@ use datafusion::physical_plan::{
 use datafusion_proto::physical_plan::{PhysicalExtensionCodec, PhysicalProtoConverterExtension};
 use prost::Message;
 
-use crate::BloomFilterExpr;
+use crate::{BloomFilterExpr, KeyBitmapExpr};
 
 /// Stands for the slice's rows after the fragment's filter and projection.
 /// Never executed: the storage node replaces it before running the plan.
@@ -112,8 +113,37 @@ impl ExecutionPlan for SliceInputExec {
     }
 }
 
-/// Wire form of a [`BloomFilterExpr`]; its input travels as the extension
-/// node's child.
+/// Wire form of Sieve's own expressions; the input (the key column) travels
+/// as the extension node's child.
+#[derive(Clone, PartialEq, Message)]
+struct SieveExprNode {
+    #[prost(oneof = "SieveExprKind", tags = "1, 2")]
+    kind: Option<SieveExprKind>,
+}
+
+#[derive(Clone, PartialEq, prost::Oneof)]
+enum SieveExprKind {
+    #[prost(message, tag = "1")]
+    Bloom(BloomFilterNode),
+    #[prost(message, tag = "2")]
+    Bitmap(KeyBitmapNode),
+}
+
+/// Wire form of a [`KeyBitmapExpr`].
+#[derive(Clone, PartialEq, Message)]
+struct KeyBitmapNode {
+    /// The bitmap's 64-bit words, little endian.
+    #[prost(bytes = "vec", tag = "1")]
+    words: Vec<u8>,
+    #[prost(int64, tag = "2")]
+    base: i64,
+    #[prost(uint64, tag = "3")]
+    bits: u64,
+    #[prost(uint64, tag = "4")]
+    keys: u64,
+}
+
+/// Wire form of a [`BloomFilterExpr`].
 #[derive(Clone, PartialEq, Message)]
 struct BloomFilterNode {
     #[prost(bytes = "vec", tag = "1")]
@@ -202,19 +232,33 @@ impl PhysicalExtensionCodec for SieveCodec {
         inputs: &[Arc<dyn PhysicalExpr>],
         ctx: &PhysicalExprDecodeCtx<'_>,
     ) -> Result<Arc<dyn PhysicalExpr>> {
-        let node = BloomFilterNode::decode(buf)
-            .map_err(|error| plan_datafusion_err!("malformed Bloom filter: {error}"))?;
+        let node = SieveExprNode::decode(buf)
+            .map_err(|error| plan_datafusion_err!("malformed join filter expression: {error}"))?;
         let [input] = inputs else {
-            return plan_err!("a Bloom filter has one input, got {}", inputs.len());
+            return plan_err!(
+                "a join filter expression has one input, got {}",
+                inputs.len()
+            );
         };
         let data_type: DataType = input.data_type(ctx.schema())?;
-        Ok(Arc::new(BloomFilterExpr::from_bitset(
-            Arc::clone(input),
-            data_type,
-            node.bitset,
-            node.keys,
-            node.fpp,
-        )?))
+        match node.kind {
+            Some(SieveExprKind::Bloom(bloom)) => Ok(Arc::new(BloomFilterExpr::from_bitset(
+                Arc::clone(input),
+                data_type,
+                bloom.bitset,
+                bloom.keys,
+                bloom.fpp,
+            )?)),
+            Some(SieveExprKind::Bitmap(bitmap)) => Ok(Arc::new(KeyBitmapExpr::from_parts(
+                Arc::clone(input),
+                data_type,
+                bitmap.base,
+                bitmap.bits,
+                &bitmap.words,
+                bitmap.keys,
+            )?)),
+            None => plan_err!("unknown expression in NDP fragment"),
+        }
     }
 
     fn try_encode_expr(
@@ -223,15 +267,24 @@ impl PhysicalExtensionCodec for SieveCodec {
         buf: &mut Vec<u8>,
         _ctx: &PhysicalExprEncodeCtx<'_>,
     ) -> Result<()> {
-        let Some(bloom) = node.downcast_ref::<BloomFilterExpr>() else {
+        let kind = if let Some(bloom) = node.downcast_ref::<BloomFilterExpr>() {
+            SieveExprKind::Bloom(BloomFilterNode {
+                bitset: bloom.bitset().to_vec(),
+                keys: bloom.keys(),
+                fpp: bloom.fpp(),
+            })
+        } else if let Some(bitmap) = node.downcast_ref::<KeyBitmapExpr>() {
+            SieveExprKind::Bitmap(KeyBitmapNode {
+                words: bitmap.to_bytes(),
+                base: bitmap.base(),
+                bits: bitmap.bits(),
+                keys: bitmap.keys(),
+            })
+        } else {
             return plan_err!("expression {node} cannot be part of an NDP fragment");
         };
-        BloomFilterNode {
-            bitset: bloom.bitset().to_vec(),
-            keys: bloom.keys(),
-            fpp: bloom.fpp(),
-        }
-        .encode(buf)
-        .map_err(|error| plan_datafusion_err!("cannot encode Bloom filter: {error}"))
+        SieveExprNode { kind: Some(kind) }
+            .encode(buf)
+            .map_err(|error| plan_datafusion_err!("cannot encode join filter expression: {error}"))
     }
 }

@@ -20,8 +20,9 @@ use crate::{check_allowed, check_plan_allowed, SieveCodec};
 /// other, so a compute node and a storage node of different versions fail
 /// loudly instead of misreading each other.
 /// Version 3: a slice stream's non-data messages are [`SliceMessage`]s
-/// (metrics, or a slice's raw pages from a busy node).
-pub const FRAGMENT_VERSION: u32 = 3;
+/// (metrics, or a slice's raw pages from a busy node). Version 4: join
+/// filters' membership tests travel as Bloom filters or key bitmaps.
+pub const FRAGMENT_VERSION: u32 = 4;
 
 /// Upper bound on an encoded fragment. A TPC-H predicate encodes to a few
 /// kilobytes; an IN list of ten thousand keys to well under a megabyte. Larger

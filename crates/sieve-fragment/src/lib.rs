@@ -32,6 +32,7 @@
 #![deny(missing_docs)]
 
 mod allow_list;
+mod bitmap;
 mod bloom;
 mod codec;
 mod envelope;
@@ -40,6 +41,7 @@ mod slice_plan;
 pub use allow_list::{
     check_allowed, check_plan_allowed, is_allowed_type, ALLOWED_AGGREGATES, ALLOWED_FUNCTIONS,
 };
+pub use bitmap::{KeyBitmapExpr, KEY_BITMAP_BYTES_MAX};
 pub use bloom::{BloomFilterExpr, BLOOM_FILTER_BYTES_MAX};
 pub use codec::{SieveCodec, SliceInputExec};
 pub use envelope::{

@@ -8,7 +8,8 @@ use datafusion::logical_expr::{col, lit};
 use datafusion::prelude::SessionContext;
 use prost::Message;
 use sieve_fragment::{
-    BloomFilterExpr, DecodedBody, Fragment, FragmentEnvelope, SliceInputExec, FRAGMENT_VERSION,
+    BloomFilterExpr, DecodedBody, Fragment, FragmentEnvelope, KeyBitmapExpr, SliceInputExec,
+    FRAGMENT_VERSION,
 };
 
 fn schema() -> Arc<Schema> {
@@ -78,29 +79,26 @@ fn oversized_envelope_is_refused_before_decoding() {
     assert!(error.to_string().contains("above the limit"), "{error}");
 }
 
-#[test]
-fn bloom_filter_survives_the_wire_and_keeps_its_answers() {
+/// A fragment's predicate over `probe`, after the fragment went through its
+/// wire form.
+fn decoded_answers(
+    predicate: Arc<dyn datafusion::physical_expr::PhysicalExpr>,
+    probe: &[i64],
+) -> arrow::array::BooleanArray {
     let schema = schema();
-    let keys: arrow::array::ArrayRef = Arc::new(arrow::array::Int64Array::from(
-        (0..5000).map(|k| k * 3).collect::<Vec<_>>(),
-    ));
-    let column: Arc<dyn datafusion::physical_expr::PhysicalExpr> =
-        Arc::new(datafusion::physical_expr::expressions::Column::new("k", 0));
-    let bloom = BloomFilterExpr::try_new(column, DataType::Int64, &keys, 0.01).unwrap();
     let fragment = Fragment {
         projection: vec![0],
-        predicate: Some(Arc::new(bloom)),
+        predicate: Some(predicate),
         aggregate: None,
     };
     let body = fragment.encode_body(&schema).unwrap();
     let context = SessionContext::new();
     let decoded = DecodedBody::decode(&body, &schema, &context.task_ctx()).unwrap();
     let predicate = decoded.predicate.unwrap();
-    let probe: Vec<i64> = (0..15_000).collect();
     let batch = arrow::record_batch::RecordBatch::try_new(
         Arc::clone(&schema),
         vec![
-            Arc::new(arrow::array::Int64Array::from(probe.clone())),
+            Arc::new(arrow::array::Int64Array::from(probe.to_vec())),
             Arc::new(
                 arrow::array::Decimal128Array::from(vec![0i128; probe.len()])
                     .with_precision_and_scale(15, 2)
@@ -115,22 +113,47 @@ fn bloom_filter_survives_the_wire_and_keeps_its_answers() {
         .unwrap()
         .into_array(probe.len())
         .unwrap();
-    let matched = matched
+    matched
         .as_any()
         .downcast_ref::<arrow::array::BooleanArray>()
-        .unwrap();
-    // Every key matches; other values mostly do not.
+        .unwrap()
+        .clone()
+}
+
+#[test]
+fn bloom_filter_and_key_bitmap_survive_the_wire_and_keep_their_answers() {
+    let keys: arrow::array::ArrayRef = Arc::new(arrow::array::Int64Array::from(
+        (0..5000).map(|k| k * 3).collect::<Vec<_>>(),
+    ));
+    let column: Arc<dyn datafusion::physical_expr::PhysicalExpr> =
+        Arc::new(datafusion::physical_expr::expressions::Column::new("k", 0));
+    let probe: Vec<i64> = (-100..15_000).collect();
+    let is_key = |value: i64| (0..15_000).contains(&value) && value % 3 == 0;
+
+    // Bloom: every key matches; other values mostly do not.
+    let bloom =
+        BloomFilterExpr::try_new(Arc::clone(&column), DataType::Int64, &keys, 0.01).unwrap();
+    let matched = decoded_answers(Arc::new(bloom), &probe);
     let false_positives = probe
         .iter()
-        .filter(|&&value| value % 3 != 0 && matched.value(value as usize))
+        .enumerate()
+        .filter(|&(row, &value)| !is_key(value) && matched.value(row))
         .count();
     assert!(probe
         .iter()
-        .all(|&v| v % 3 != 0 || matched.value(v as usize)));
+        .enumerate()
+        .all(|(row, &value)| !is_key(value) || matched.value(row)));
     assert!(
         false_positives < 300,
-        "{false_positives} false positives of 10000"
+        "{false_positives} false positives of 10100"
     );
+
+    // Bitmap: exactly the keys match.
+    let bitmap = KeyBitmapExpr::try_new(column, DataType::Int64, &keys).unwrap();
+    let matched = decoded_answers(Arc::new(bitmap), &probe);
+    for (row, &value) in probe.iter().enumerate() {
+        assert_eq!(matched.value(row), is_key(value), "{value}");
+    }
 }
 
 #[test]

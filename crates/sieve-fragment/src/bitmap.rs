@@ -1,0 +1,412 @@
+//! `KeyBitmapExpr`: "the key is in the build side of a join", exactly, for
+//! integer keys in a narrow range.
+//!
+//! Join keys are mostly dense integers (surrogate keys, dates), so the keys a
+//! build side keeps often lie in a range not much wider than their number.
+//! Then one bit per value of the range, `[base, base + bits)`, is smaller
+//! than a Bloom filter at 1% false positives and exact, and a probe is a
+//! subtraction, a comparison and a bit test: no hashing, no false positives,
+//! and a bitmap of up to a few hundred kilobytes stays in cache. NULL stays
+//! NULL. Like the Bloom filter it only removes rows the join would drop.
+//!
+//! The expression has its own wire form in [`crate::SieveCodec`].
+
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+use arrow::array::{Array, ArrayRef, AsArray, BooleanArray};
+use arrow::buffer::BooleanBuffer;
+use arrow::compute::cast;
+use arrow::datatypes::{
+    DataType, Date32Type, Date64Type, Int16Type, Int32Type, Int64Type, Int8Type, Schema,
+    UInt16Type, UInt32Type, UInt64Type, UInt8Type,
+};
+use arrow::record_batch::RecordBatch;
+use datafusion::common::{internal_err, plan_err, Result, ScalarValue};
+use datafusion::logical_expr::ColumnarValue;
+use datafusion::physical_expr::PhysicalExpr;
+
+use crate::bloom::with_integer_keys;
+
+/// Upper bound on the bytes of one key bitmap in a fragment (16 Mi values).
+pub const KEY_BITMAP_BYTES_MAX: usize = 2 * 1024 * 1024;
+
+/// `input` is one of the keys the bitmap was built from.
+#[derive(Clone)]
+pub struct KeyBitmapExpr {
+    input: Arc<dyn PhysicalExpr>,
+    data_type: DataType,
+    /// The value of bit 0.
+    base: i64,
+    /// Values covered: `[base, base + bits)`.
+    bits: u64,
+    words: Arc<Vec<u64>>,
+    keys: u64,
+}
+
+impl KeyBitmapExpr {
+    /// Whether keys of `data_type` can be held in a bitmap: integers and
+    /// dates whose every value is an `i64`.
+    pub fn supports(data_type: &DataType) -> bool {
+        matches!(
+            data_type,
+            DataType::Int8
+                | DataType::Int16
+                | DataType::Int32
+                | DataType::Int64
+                | DataType::UInt8
+                | DataType::UInt16
+                | DataType::UInt32
+                | DataType::Date32
+                | DataType::Date64
+        )
+    }
+
+    /// Bytes of a bitmap over the non-null values of `keys` (cast to
+    /// `data_type`), or `None` if the type is not supported or there are no
+    /// keys.
+    pub fn bytes_for(keys: &ArrayRef, data_type: &DataType) -> Result<Option<usize>> {
+        if !Self::supports(data_type) {
+            return Ok(None);
+        }
+        let keys = cast(keys, data_type)?;
+        Ok(bounds(&keys).map(|(low, high)| words_for(span(low, high)) * 8))
+    }
+
+    /// A bitmap of `keys` (any Arrow type castable to `data_type`, the type
+    /// of `input`).
+    pub fn try_new(
+        input: Arc<dyn PhysicalExpr>,
+        data_type: DataType,
+        keys: &ArrayRef,
+    ) -> Result<Self> {
+        if !Self::supports(&data_type) {
+            return plan_err!("a key bitmap cannot hold keys of type {data_type}");
+        }
+        let keys = cast(keys, &data_type)?;
+        let Some((base, high)) = bounds(&keys) else {
+            return plan_err!("a key bitmap needs at least one non-null key");
+        };
+        let bits = span(base, high);
+        let words = words_for(bits);
+        if words * 8 > KEY_BITMAP_BYTES_MAX {
+            return plan_err!(
+                "key bitmap over [{base}, {high}] needs {} bytes, above {KEY_BITMAP_BYTES_MAX}",
+                words * 8
+            );
+        }
+        let mut bitmap = vec![0u64; words];
+        let mut count = 0u64;
+        each_value(&keys, |index, value| {
+            if keys.is_valid(index) {
+                let offset = value.wrapping_sub(base) as u64;
+                let (word, bit) = ((offset >> 6) as usize, offset & 63);
+                count += u64::from(bitmap[word] >> bit & 1 == 0);
+                bitmap[word] |= 1 << bit;
+            }
+        });
+        Ok(Self {
+            input,
+            data_type,
+            base,
+            bits,
+            words: Arc::new(bitmap),
+            keys: count,
+        })
+    }
+
+    /// Rebuild a bitmap received on the wire: `bytes` are its words, little
+    /// endian.
+    pub fn from_parts(
+        input: Arc<dyn PhysicalExpr>,
+        data_type: DataType,
+        base: i64,
+        bits: u64,
+        bytes: &[u8],
+        keys: u64,
+    ) -> Result<Self> {
+        if !Self::supports(&data_type) {
+            return plan_err!("a key bitmap cannot hold keys of type {data_type}");
+        }
+        if bits == 0
+            || bytes.len() > KEY_BITMAP_BYTES_MAX
+            || bytes.len() as u64 != bits.div_ceil(64) * 8
+        {
+            return plan_err!(
+                "key bitmap of {bits} bits does not match its {} bytes (at most {KEY_BITMAP_BYTES_MAX})",
+                bytes.len()
+            );
+        }
+        let words = bytes
+            .chunks_exact(8)
+            .map(|chunk| u64::from_le_bytes(chunk.try_into().expect("chunks of 8")))
+            .collect();
+        Ok(Self {
+            input,
+            data_type,
+            base,
+            bits,
+            words: Arc::new(words),
+            keys,
+        })
+    }
+
+    /// The expression whose value is looked up (a column, in practice).
+    pub fn input(&self) -> &Arc<dyn PhysicalExpr> {
+        &self.input
+    }
+
+    /// The value of the first bit.
+    pub fn base(&self) -> i64 {
+        self.base
+    }
+
+    /// The number of values covered, from [`Self::base`].
+    pub fn bits(&self) -> u64 {
+        self.bits
+    }
+
+    /// The bitmap's words as little-endian bytes, for the wire.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        self.words
+            .iter()
+            .flat_map(|word| word.to_le_bytes())
+            .collect()
+    }
+
+    /// Bytes of the bitmap.
+    pub fn byte_len(&self) -> usize {
+        self.words.len() * 8
+    }
+
+    /// Number of distinct keys set.
+    pub fn keys(&self) -> u64 {
+        self.keys
+    }
+
+    fn probe(&self, values: &ArrayRef) -> Result<BooleanArray> {
+        let values = if values.data_type() == &self.data_type {
+            Arc::clone(values)
+        } else {
+            cast(values, &self.data_type)?
+        };
+        let (base, bits, words) = (self.base, self.bits, self.words.as_slice());
+        let contains = |value: i64| {
+            let offset = value.wrapping_sub(base) as u64;
+            offset < bits && words[(offset >> 6) as usize] >> (offset & 63) & 1 == 1
+        };
+        // Every supported type widens to i64 exactly (`supports`).
+        #[allow(clippy::unnecessary_cast)]
+        let matched = with_integer_keys!(values, keys => {
+            BooleanBuffer::collect_bool(keys.len(), |index| contains(keys[index] as i64))
+        }, else {
+            return internal_err!("key bitmap probed with values of type {}", values.data_type());
+        });
+        Ok(BooleanArray::new(matched, values.logical_nulls()))
+    }
+}
+
+/// Values in `[low, high]`.
+fn span(low: i64, high: i64) -> u64 {
+    (high.wrapping_sub(low) as u64).saturating_add(1)
+}
+
+fn words_for(bits: u64) -> usize {
+    usize::try_from(bits.div_ceil(64)).unwrap_or(usize::MAX)
+}
+
+/// Smallest and largest non-null value of `keys` (of a supported type).
+fn bounds(keys: &ArrayRef) -> Option<(i64, i64)> {
+    let mut found: Option<(i64, i64)> = None;
+    each_value(keys, |index, value| {
+        if keys.is_valid(index) {
+            found = Some(match found {
+                None => (value, value),
+                Some((low, high)) => (low.min(value), high.max(value)),
+            });
+        }
+    });
+    found
+}
+
+/// `f(row, value)` for every row of `keys` (null rows included: callers check).
+#[allow(clippy::unnecessary_cast)]
+fn each_value(keys: &ArrayRef, mut f: impl FnMut(usize, i64)) {
+    with_integer_keys!(keys, values => {
+        for (index, value) in values.iter().enumerate() {
+            f(index, *value as i64);
+        }
+    }, else {});
+}
+
+impl fmt::Debug for KeyBitmapExpr {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_struct("KeyBitmapExpr")
+            .field("input", &self.input)
+            .field("base", &self.base)
+            .field("bits", &self.bits)
+            .field("keys", &self.keys)
+            .finish()
+    }
+}
+
+impl fmt::Display for KeyBitmapExpr {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            formatter,
+            "{} IN bitmap({} keys over [{}, {}], {} bytes)",
+            self.input,
+            self.keys,
+            self.base,
+            self.base.wrapping_add(self.bits as i64 - 1),
+            self.byte_len()
+        )
+    }
+}
+
+impl PartialEq for KeyBitmapExpr {
+    fn eq(&self, other: &Self) -> bool {
+        self.input.as_ref() == other.input.as_ref()
+            && self.data_type == other.data_type
+            && self.base == other.base
+            && self.bits == other.bits
+            && self.words == other.words
+    }
+}
+
+impl Eq for KeyBitmapExpr {}
+
+impl Hash for KeyBitmapExpr {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.input.hash(state);
+        self.base.hash(state);
+        self.bits.hash(state);
+        self.words.hash(state);
+    }
+}
+
+impl PhysicalExpr for KeyBitmapExpr {
+    fn data_type(&self, _input_schema: &Schema) -> Result<DataType> {
+        Ok(DataType::Boolean)
+    }
+
+    fn nullable(&self, input_schema: &Schema) -> Result<bool> {
+        self.input.nullable(input_schema)
+    }
+
+    fn evaluate(&self, batch: &RecordBatch) -> Result<ColumnarValue> {
+        match self.input.evaluate(batch)? {
+            ColumnarValue::Array(values) => {
+                Ok(ColumnarValue::Array(Arc::new(self.probe(&values)?)))
+            }
+            ColumnarValue::Scalar(scalar) => {
+                let matched = self.probe(&scalar.to_array()?)?;
+                Ok(ColumnarValue::Scalar(ScalarValue::try_from_array(
+                    &matched, 0,
+                )?))
+            }
+        }
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn PhysicalExpr>> {
+        vec![&self.input]
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn PhysicalExpr>>,
+    ) -> Result<Arc<dyn PhysicalExpr>> {
+        let [input] = <[Arc<dyn PhysicalExpr>; 1]>::try_from(children).or_else(|children| {
+            internal_err!("KeyBitmapExpr has one child, got {}", children.len())
+        })?;
+        Ok(Arc::new(Self {
+            input,
+            ..(*self).clone()
+        }))
+    }
+
+    fn fmt_sql(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(formatter, "{self}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Int32Array, Int64Array, UInt64Array};
+    use datafusion::physical_expr::expressions::Column;
+
+    fn column() -> Arc<dyn PhysicalExpr> {
+        Arc::new(Column::new("k", 0))
+    }
+
+    /// Exactly the keys match, NULL stays NULL, values far outside the range
+    /// (both ends of i64) do not wrap into it, and the bitmap survives its
+    /// bytes.
+    #[test]
+    fn exactly_the_keys_match_and_the_bitmap_survives_its_bytes() {
+        for data_type in [DataType::Int64, DataType::Int32, DataType::Date32] {
+            let keys: ArrayRef = cast(
+                &(Arc::new(Int64Array::from_iter_values((0..5000).map(|v| v * 3 - 700)))
+                    as ArrayRef),
+                &data_type,
+            )
+            .unwrap();
+            let bitmap = KeyBitmapExpr::try_new(column(), data_type.clone(), &keys).unwrap();
+            assert_eq!(bitmap.keys(), 5000, "{data_type}");
+            assert_eq!(bitmap.base(), -700);
+            assert_eq!(bitmap.bits(), 3 * 4999 + 1);
+            let probe: ArrayRef =
+                Arc::new(Int64Array::from_iter((-1000..16000).map(Some).chain([
+                    None,
+                    Some(i64::MIN),
+                    Some(i64::MAX),
+                ])));
+            let matched = bitmap.probe(&probe).unwrap();
+            for (index, value) in probe.as_primitive::<Int64Type>().iter().enumerate() {
+                match value {
+                    None => assert!(matched.is_null(index)),
+                    Some(value) => {
+                        let key =
+                            (-700..=-700 + 3 * 4999).contains(&value) && (value + 700) % 3 == 0;
+                        // Values outside the type's range do not cast: only
+                        // Int64 probes them.
+                        if data_type == DataType::Int64 || i32::try_from(value).is_ok() {
+                            assert_eq!(matched.value(index), key, "{data_type} {value}");
+                        }
+                    }
+                }
+            }
+            let again = KeyBitmapExpr::from_parts(
+                column(),
+                data_type.clone(),
+                bitmap.base(),
+                bitmap.bits(),
+                &bitmap.to_bytes(),
+                bitmap.keys(),
+            )
+            .unwrap();
+            assert_eq!(again, bitmap);
+        }
+    }
+
+    #[test]
+    fn bad_bitmaps_are_refused() {
+        let keys: ArrayRef = Arc::new(Int64Array::from(vec![0, i64::MAX]));
+        let error = KeyBitmapExpr::try_new(column(), DataType::Int64, &keys).unwrap_err();
+        assert!(error.to_string().contains("above"), "{error}");
+        let keys: ArrayRef = Arc::new(UInt64Array::from(vec![1, 2]));
+        assert!(KeyBitmapExpr::try_new(column(), DataType::UInt64, &keys).is_err());
+        let none: ArrayRef = Arc::new(Int32Array::from(vec![None, None]));
+        assert!(KeyBitmapExpr::try_new(column(), DataType::Int32, &none).is_err());
+        for (bits, bytes) in [(0, 0), (65, 8), (64, 16), (1 << 40, 8)] {
+            assert!(
+                KeyBitmapExpr::from_parts(column(), DataType::Int64, 0, bits, &vec![0; bytes], 1)
+                    .is_err(),
+                "{bits} bits in {bytes} bytes"
+            );
+        }
+    }
+}
