@@ -914,13 +914,18 @@ impl ExecutionPlan for SieveScanExec {
                         RecordBatch::try_new_with_options(schema, vec![], &options)
                             .map(Some)
                             .map_err(DataFusionError::from)
-                    } else if rewrap {
-                        // Partial states: same types, names as planned here.
-                        RecordBatch::try_new(schema, batch.columns().to_vec())
-                            .map(Some)
-                            .map_err(DataFusionError::from)
                     } else {
-                        Ok(Some(batch))
+                        // Columns shipped narrower (sieve_fragment::wire_type)
+                        // come back to their planned types.
+                        match sieve_fragment::widen(batch, &schema) {
+                            // Partial states: names as planned here.
+                            Ok(batch) if rewrap => {
+                                RecordBatch::try_new(schema, batch.columns().to_vec())
+                                    .map(Some)
+                                    .map_err(DataFusionError::from)
+                            }
+                            other => other.map(Some),
+                        }
                     }
                 }
             };

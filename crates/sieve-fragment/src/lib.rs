@@ -37,6 +37,7 @@ mod bloom;
 mod codec;
 mod envelope;
 mod slice_plan;
+mod wire;
 
 pub use allow_list::{
     check_allowed, check_plan_allowed, is_allowed_type, ALLOWED_AGGREGATES, ALLOWED_FUNCTIONS,
@@ -49,3 +50,4 @@ pub use envelope::{
     RawSlice, SliceMessage, SliceMessageKind, SliceMetrics, FRAGMENT_BYTES_MAX, FRAGMENT_VERSION,
 };
 pub use slice_plan::{needed_columns, slice_plan, SlicePlan, SliceSource};
+pub use wire::{narrow, widen, wire_schema, wire_type};

@@ -29,9 +29,11 @@ use datafusion::prelude::SessionContext;
 use futures::Stream;
 use object_store::local::LocalFileSystem;
 use object_store::ObjectStore;
+use parquet::file::metadata::ParquetMetaData;
+use parquet::file::statistics::Statistics;
 use sieve_fragment::{
-    needed_columns, slice_plan, DecodedBody, FragmentEnvelope, IpcCodec, SliceMetrics, SlicePlan,
-    SliceSource,
+    narrow, needed_columns, slice_plan, wire_schema, DecodedBody, FragmentEnvelope, IpcCodec,
+    SliceMetrics, SlicePlan, SliceSource,
 };
 
 use crate::cpu::thread_cpu_nanos;
@@ -271,8 +273,19 @@ impl SliceExecutor {
             },
         )?;
         let inner = plan.execute(0, Arc::clone(&self.task_context))?;
+        // Shipped table columns whose every value fits in 32 bits (by the
+        // slice's statistics) travel as Int32; see `sieve_fragment::wire_type`.
+        let fits: Vec<bool> = match &body.aggregate {
+            Some(_) => vec![],
+            None => body
+                .projection
+                .iter()
+                .map(|&column| int64_fits_in_32_bits(&slice.metadata, column))
+                .collect(),
+        };
+        let schema = wire_schema(&plan.schema(), &fits);
         Ok(SliceStream {
-            schema: plan.schema(),
+            schema,
             inner,
             plan,
             aggregated_input,
@@ -383,6 +396,31 @@ impl SliceStream {
     }
 }
 
+/// Whether every value of leaf column `column` of the slice lies in the
+/// `i32` range, by the row groups' statistics (false when any is missing or
+/// the column is not INT64).
+fn int64_fits_in_32_bits(metadata: &ParquetMetaData, column: usize) -> bool {
+    let range = i64::from(i32::MIN)..=i64::from(i32::MAX);
+    metadata.row_groups().iter().all(|row_group| {
+        let Some(chunk) = row_group.columns().get(column) else {
+            return false;
+        };
+        match chunk.statistics() {
+            Some(Statistics::Int64(values)) => {
+                let null_only = values.min_opt().is_none()
+                    && values.max_opt().is_none()
+                    && values.null_count_opt() == Some(row_group.num_rows() as u64);
+                null_only
+                    || matches!(
+                        (values.min_opt(), values.max_opt()),
+                        (Some(min), Some(max)) if range.contains(min) && range.contains(max)
+                    )
+            }
+            _ => false,
+        }
+    })
+}
+
 /// The row groups an envelope asks for (empty: all), checked against the slice.
 pub(crate) fn wanted_row_groups(
     envelope: &FragmentEnvelope,
@@ -423,7 +461,10 @@ impl Stream for SliceStream {
 
     fn poll_next(mut self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let started = thread_cpu_nanos();
-        let polled = self.inner.as_mut().poll_next(context);
+        let polled = match self.inner.as_mut().poll_next(context) {
+            Poll::Ready(Some(Ok(batch))) => Poll::Ready(Some(narrow(&batch, &self.schema))),
+            other => other,
+        };
         let spent = thread_cpu_nanos().saturating_sub(started);
         self.cpu_nanos += spent;
         if let Poll::Ready(Some(Ok(batch))) = &polled {
