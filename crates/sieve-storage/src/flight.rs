@@ -201,10 +201,13 @@ impl FlightService for StorageFlightService {
             .is_some_and(|address| address.ip().is_loopback());
         let ticket = request.into_inner().ticket;
         let envelope = FragmentEnvelope::decode_checked(&ticket).map_err(to_status)?;
-        let codec = match IpcCodec::from_wire(envelope.ipc_codec).map_err(to_status)? {
-            IpcCodec::Auto => self.executor.options().ipc_compression,
-            requested => requested,
-        };
+        let (codec, chosen_here) =
+            match IpcCodec::from_wire(envelope.ipc_codec).map_err(to_status)? {
+                IpcCodec::Auto => (self.executor.options().ipc_compression, true),
+                requested => (requested, false),
+            };
+        let adaptive =
+            chosen_here && codec.resolve(loopback) == Some(arrow::ipc::CompressionType::LZ4_FRAME);
         let (_, slice) = self
             .executor
             .catalog()
@@ -232,6 +235,7 @@ impl FlightService for StorageFlightService {
                     Arc::clone(&self.executor),
                     ticket,
                     codec.resolve(loopback),
+                    adaptive,
                     admitted,
                     sender.clone(),
                     Arc::clone(&self.faults),
@@ -312,6 +316,7 @@ async fn process(
     executor: Arc<SliceExecutor>,
     ticket: bytes::Bytes,
     compression: Option<arrow::ipc::CompressionType>,
+    adaptive: bool,
     admitted: Admitted,
     sender: tokio::sync::mpsc::Sender<Result<FlightData, Status>>,
     faults: Arc<Faults>,
@@ -336,6 +341,17 @@ async fn process(
             .map_err(|error| FlightError::Tonic(Box::new(Status::internal(error.to_string())))),
         Err(error) => Err(FlightError::Tonic(Box::new(to_status(error)))),
     });
+    // When the node chose lz4 (`auto` on loopback), it keeps it only if the
+    // slice's first batch shrinks by a fifth: keys already shipped narrow,
+    // or floats, are incompressible, and compressing them costs both ends
+    // CPU for nothing.
+    let mut batches = batches.boxed();
+    let first = batches.next().await;
+    let compression = match (&first, adaptive) {
+        (Some(Ok(batch)), true) if !compression_pays(batch, compression) => None,
+        _ => compression,
+    };
+    let batches = futures::stream::iter(first).chain(batches);
     let options = match IpcWriteOptions::default().try_with_compression(compression) {
         Ok(options) => options,
         Err(error) => {
@@ -371,6 +387,34 @@ async fn process(
             FlightData::new().with_app_metadata(trailer.encode_to_vec())
         ))
         .await;
+}
+
+/// Whether `compression` shrinks `batch`'s IPC body to at most 4/5 of its
+/// plain size. Costs one extra encoding of one batch per slice.
+fn compression_pays(
+    batch: &arrow::record_batch::RecordBatch,
+    compression: Option<arrow::ipc::CompressionType>,
+) -> bool {
+    use arrow::ipc::writer::{DictionaryTracker, IpcDataGenerator};
+    let size = |compression| -> Option<usize> {
+        let options = IpcWriteOptions::default()
+            .try_with_compression(compression)
+            .ok()?;
+        let (_, encoded) = IpcDataGenerator::default()
+            .encode(
+                batch,
+                &mut DictionaryTracker::new(false),
+                &options,
+                &mut Default::default(),
+            )
+            .ok()?;
+        Some(encoded.arrow_data.len())
+    };
+    match (size(compression), size(None)) {
+        (Some(compressed), Some(plain)) => compressed * 5 <= plain * 4,
+        // If either cannot be encoded, the encoder will say so; keep the codec.
+        _ => true,
+    }
 }
 
 /// Passes a slice's batches through and, when they end, leaves the slice's
@@ -432,4 +476,35 @@ fn compact_views(
     let options =
         arrow::record_batch::RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
     arrow::record_batch::RecordBatch::try_new_with_options(batch.schema(), columns, &options)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow::array::{ArrayRef, Int64Array};
+    use arrow::ipc::CompressionType;
+    use arrow::record_batch::RecordBatch;
+
+    use super::compression_pays;
+
+    fn batch(values: impl Iterator<Item = i64>) -> RecordBatch {
+        let column: ArrayRef = Arc::new(Int64Array::from_iter_values(values));
+        RecordBatch::try_from_iter([("v", column)]).unwrap()
+    }
+
+    /// lz4 is kept for a batch it shrinks and dropped for one it cannot.
+    #[test]
+    fn lz4_is_kept_only_where_it_shrinks_the_batch() {
+        let lz4 = Some(CompressionType::LZ4_FRAME);
+        let repetitive = batch((0..8192).map(|row| row % 4));
+        assert!(compression_pays(&repetitive, lz4));
+        // A 64-bit mixer's output: no byte repeats a pattern lz4 can use.
+        let noise = batch((0..8192u64).map(|row| {
+            let mut value = row.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            value ^= value >> 29;
+            value.wrapping_mul(0xbf58_476d_1ce4_e5b9) as i64
+        }));
+        assert!(!compression_pays(&noise, lz4));
+    }
 }
