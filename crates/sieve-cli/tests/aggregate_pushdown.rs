@@ -11,8 +11,9 @@ use arrow::record_batch::RecordBatch;
 use datafusion::prelude::SessionContext;
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context_for, rows_as_text, run};
-use sieve_compute::connect_session;
+use sieve_compute::{connect_session, SieveSession};
 use sieve_format::{node_directory, slice_path, write_slice, SliceLayout};
+use sieve_storage::ExecuteOptions;
 
 const NODES: usize = 3;
 const ROWS: usize = 3000;
@@ -100,9 +101,9 @@ fn write_table(root: &Path, name: &str, parts: usize, batch: fn(usize) -> Record
     }
 }
 
-fn data() -> PathBuf {
+fn data(name: &str) -> PathBuf {
     let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("aggregate-edges-{}", std::process::id()));
+        .join(format!("aggregate-edges-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     for node in 0..NODES {
         std::fs::create_dir_all(node_directory(&root, node)).unwrap();
@@ -117,35 +118,46 @@ async fn explain(context: &SessionContext, sql: &str) -> String {
     rows_as_text(&batches, false).unwrap().join("\n")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pushed_aggregates_equal_plain_datafusion_on_the_edge_cases() {
-    let root = data();
-    let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls()).await.unwrap();
-    let reference = reference_context_for(&root, NODES, &["edge", "big"])
-        .await
-        .unwrap();
-    // (query, whether the aggregation must be pushed)
-    let cases = [
-        // NULL groups, NULL inputs, decimals (AVG too), floats with a NaN.
-        ("SELECT g, count(*), count(k), count(d), sum(d), avg(d), min(d), max(d), \
-          sum(f), avg(f), min(f), max(f) FROM edge GROUP BY g", true),
-        // NULL grouping keys.
-        ("SELECT k, count(*), sum(d), bool_and(f > 0) FROM edge GROUP BY k", true),
-        // Scalar aggregation over every slice, the empty one included.
-        ("SELECT count(*), count(f), sum(d), avg(d), sum(f), var_samp(f), stddev(f) FROM edge", true),
-        // All rows filtered out: scalar and grouped.
-        ("SELECT count(*), sum(d), avg(d), max(f) FROM edge WHERE u < 0", true),
-        ("SELECT g, count(*) FROM edge WHERE u < 0 GROUP BY g", true),
-        // Expressions in the aggregate and the grouping.
-        ("SELECT k % 3 AS m, sum(d * 2), avg(f + 1) FROM edge WHERE k IS NOT NULL GROUP BY k % 3", true),
-        // COUNT(DISTINCT): planned as a grouping on (g, k), pushed as such.
-        ("SELECT g, count(DISTINCT k) FROM edge GROUP BY g", true),
-        // As many groups as rows: not pushed, and EXPLAIN says why.
-        ("SELECT u, count(*) FROM edge GROUP BY u", false),
-    ];
-    for (sql, pushed) in cases {
-        let expected = rows_as_text(&run(&reference, sql).await.unwrap(), true).unwrap();
+/// (query, whether the aggregation must be pushed)
+const CASES: [(&str, bool); 8] = [
+    // NULL groups, NULL inputs, decimals (AVG too), floats with a NaN.
+    (
+        "SELECT g, count(*), count(k), count(d), sum(d), avg(d), min(d), max(d), \
+      sum(f), avg(f), min(f), max(f) FROM edge GROUP BY g",
+        true,
+    ),
+    // NULL grouping keys.
+    (
+        "SELECT k, count(*), sum(d), bool_and(f > 0) FROM edge GROUP BY k",
+        true,
+    ),
+    // Scalar aggregation over every slice, the empty one included.
+    (
+        "SELECT count(*), count(f), sum(d), avg(d), sum(f), var_samp(f), stddev(f) FROM edge",
+        true,
+    ),
+    // All rows filtered out: scalar and grouped.
+    (
+        "SELECT count(*), sum(d), avg(d), max(f) FROM edge WHERE u < 0",
+        true,
+    ),
+    ("SELECT g, count(*) FROM edge WHERE u < 0 GROUP BY g", true),
+    // Expressions in the aggregate and the grouping.
+    (
+        "SELECT k % 3 AS m, sum(d * 2), avg(f + 1) FROM edge WHERE k IS NOT NULL GROUP BY k % 3",
+        true,
+    ),
+    // COUNT(DISTINCT): planned as a grouping on (g, k), pushed as such.
+    ("SELECT g, count(DISTINCT k) FROM edge GROUP BY g", true),
+    // As many groups as rows: not pushed, and EXPLAIN says why.
+    ("SELECT u, count(*) FROM edge GROUP BY u", false),
+];
+
+/// Every case through `session` equals plain DataFusion, and EXPLAIN says
+/// whether its aggregation was pushed.
+async fn check_cases(session: &SieveSession, reference: &SessionContext) {
+    for (sql, pushed) in CASES {
+        let expected = rows_as_text(&run(reference, sql).await.unwrap(), true).unwrap();
         let actual = rows_as_text(&run(&session.context, sql).await.unwrap(), true).unwrap();
         assert_eq!(actual, expected, "{sql}");
         let plan = explain(&session.context, sql).await;
@@ -161,6 +173,77 @@ async fn pushed_aggregates_equal_plain_datafusion_on_the_edge_cases() {
             );
         }
     }
+
+    // Decimal overflow: both sides agree (DataFusion 55 wraps around; were it
+    // to raise an error instead, both sides must raise it).
+    let sql = "SELECT g, sum(v) FROM big GROUP BY g";
+    assert!(explain(&session.context, sql)
+        .await
+        .contains("pushed aggregate"));
+    let expected = run(reference, sql)
+        .await
+        .map(|rows| rows_as_text(&rows, true).unwrap());
+    let actual = run(&session.context, sql)
+        .await
+        .map(|rows| rows_as_text(&rows, true).unwrap());
+    match (&expected, &actual) {
+        (Ok(expected), Ok(actual)) => assert_eq!(actual, expected),
+        (Err(_), Err(error)) => assert!(
+            error.to_string().to_lowercase().contains("overflow"),
+            "{error}"
+        ),
+        _ => panic!("overflow behaviour differs: plain {expected:?}, Sieve {actual:?}"),
+    }
+}
+
+/// Slices served raw by `cluster`'s nodes, and slices served in all.
+fn raw_and_served(cluster: &EmbeddedCluster) -> (u64, u64) {
+    let (mut raw, mut served) = (0, 0);
+    for node in &cluster.nodes {
+        let counters = node.executor().counters().to_json();
+        raw += counters["slices_raw"].as_u64().unwrap();
+        served += counters["slices_served"].as_u64().unwrap();
+    }
+    (raw, served)
+}
+
+/// A storage node without pushdown workers serves every slice raw (footer
+/// and column chunks); the compute node then runs the pushed partial
+/// aggregation itself over those pages, and every edge case still equals
+/// plain DataFusion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushed_aggregates_over_raw_slices_equal_plain_datafusion() {
+    let root = data("raw");
+    let cluster = EmbeddedCluster::start_with(
+        &root,
+        NODES,
+        ExecuteOptions {
+            pushdown_workers: 0,
+            ..ExecuteOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let session = connect_session(&cluster.urls()).await.unwrap();
+    let reference = reference_context_for(&root, NODES, &["edge", "big"])
+        .await
+        .unwrap();
+    check_cases(&session, &reference).await;
+    let (raw, served) = raw_and_served(&cluster);
+    assert!(served > 0, "no slice was served");
+    assert_eq!(raw, served, "every slice raw");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushed_aggregates_equal_plain_datafusion_on_the_edge_cases() {
+    let root = data("processed");
+    let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
+    let session = connect_session(&cluster.urls()).await.unwrap();
+    let reference = reference_context_for(&root, NODES, &["edge", "big"])
+        .await
+        .unwrap();
+    check_cases(&session, &reference).await;
 
     // Not pushed at all: a count with no column to ship over a filtered
     // scan (once failed planning: the table schema carried one slice's
@@ -180,25 +263,5 @@ async fn pushed_aggregates_equal_plain_datafusion_on_the_edge_cases() {
         .await
         .unwrap();
 
-    // Decimal overflow: both sides agree (DataFusion 55 wraps around; were it
-    // to raise an error instead, both sides must raise it).
-    let sql = "SELECT g, sum(v) FROM big GROUP BY g";
-    assert!(explain(&session.context, sql)
-        .await
-        .contains("pushed aggregate"));
-    let expected = run(&reference, sql)
-        .await
-        .map(|rows| rows_as_text(&rows, true).unwrap());
-    let actual = run(&session.context, sql)
-        .await
-        .map(|rows| rows_as_text(&rows, true).unwrap());
-    match (&expected, &actual) {
-        (Ok(expected), Ok(actual)) => assert_eq!(actual, expected),
-        (Err(_), Err(error)) => assert!(
-            error.to_string().to_lowercase().contains("overflow"),
-            "{error}"
-        ),
-        _ => panic!("overflow behaviour differs: plain {expected:?}, Sieve {actual:?}"),
-    }
     let _ = std::fs::remove_dir_all(&root);
 }
