@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 
 use datafusion::common::Result;
 use sieve_format::{generate_tpch, is_generated, node_directory, SliceLayout};
@@ -42,6 +43,17 @@ impl EmbeddedCluster {
     /// Flight URLs of the nodes.
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(StorageNode::flight_url).collect()
+    }
+
+    /// Slices the nodes served raw, and slices they served in all, since start.
+    pub fn slices_raw_and_served(&self) -> (u64, u64) {
+        self.nodes.iter().fold((0, 0), |(raw, served), node| {
+            let counters = node.executor().counters();
+            (
+                raw + counters.slices_raw.load(Ordering::Relaxed),
+                served + counters.slices_served.load(Ordering::Relaxed),
+            )
+        })
     }
 }
 

@@ -196,17 +196,6 @@ async fn check_cases(session: &SieveSession, reference: &SessionContext) {
     }
 }
 
-/// Slices served raw by `cluster`'s nodes, and slices served in all.
-fn raw_and_served(cluster: &EmbeddedCluster) -> (u64, u64) {
-    let (mut raw, mut served) = (0, 0);
-    for node in &cluster.nodes {
-        let counters = node.executor().counters().to_json();
-        raw += counters["slices_raw"].as_u64().unwrap();
-        served += counters["slices_served"].as_u64().unwrap();
-    }
-    (raw, served)
-}
-
 /// A storage node without pushdown workers serves every slice raw (footer
 /// and column chunks); the compute node then runs the pushed partial
 /// aggregation itself over those pages, and every edge case still equals
@@ -229,7 +218,7 @@ async fn pushed_aggregates_over_raw_slices_equal_plain_datafusion() {
         .await
         .unwrap();
     check_cases(&session, &reference).await;
-    let (raw, served) = raw_and_served(&cluster);
+    let (raw, served) = cluster.slices_raw_and_served();
     assert!(served > 0, "no slice was served");
     assert_eq!(raw, served, "every slice raw");
     let _ = std::fs::remove_dir_all(&root);

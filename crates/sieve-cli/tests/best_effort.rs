@@ -161,12 +161,7 @@ async fn a_small_pool_under_concurrent_queries_mixes_raw_and_processed_slices() 
     for stream in streams {
         stream.await.expect("stream succeeded");
     }
-    let (mut raw, mut served) = (0, 0);
-    for node in &cluster.nodes {
-        let counters = node.executor().counters().to_json();
-        raw += counters["slices_raw"].as_u64().unwrap();
-        served += counters["slices_served"].as_u64().unwrap();
-    }
+    let (raw, served) = cluster.slices_raw_and_served();
     eprintln!("{raw} of {served} slices served raw");
     assert!(
         raw > 0,
