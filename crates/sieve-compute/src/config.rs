@@ -45,6 +45,14 @@ extensions_options! {
         /// Longest wait for a join's build side before a probe scan goes
         /// ahead without its filter, in milliseconds.
         pub join_filter_wait_ms: u64, default = 60000
+        /// Scans estimated to return at most this many rows, and that wait
+        /// for no join filter, start when the query starts instead of when
+        /// first polled, so that the storage nodes work on them in
+        /// parallel; 0 turns early starts off.
+        pub early_start_rows_max: usize, default = 1_000_000
+        /// Bytes of batches a scan started early may buffer before its
+        /// consumer takes them; beyond, it waits.
+        pub early_start_buffer_bytes: usize, default = 64 * 1024 * 1024
         /// Longest a storage node may stay silent during a slice request
         /// (connecting, before its first message, between messages) before
         /// the attempt counts as failed, in milliseconds.

@@ -28,6 +28,7 @@ mod build_keys;
 mod catalog;
 mod client;
 mod config;
+mod early_start;
 mod estimate;
 mod failover;
 mod join_filter;
@@ -45,6 +46,7 @@ pub use catalog::{
 };
 pub use client::{as_node_failure, NodeFailure, SlicePart, StorageClient};
 pub use config::{NdpMode, SieveConfig};
+pub use early_start::{EarlyStartExec, StartScansEarly};
 pub use failover::FailoverSettings;
 pub use join_filter::{JoinFilterSettings, JoinFilterSlot};
 pub use optimizer::{PushAggregateToStorage, WaitForJoinFilters};

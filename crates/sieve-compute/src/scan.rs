@@ -45,6 +45,7 @@ use sieve_fragment::{DecodedBody, FragmentEnvelope, IpcCodec};
 
 use crate::build_keys::BuildKeys;
 use crate::client::SlicePart;
+use crate::early_start::{buffer_ahead, EarlySlots};
 use crate::estimate::filtered_statistics;
 use crate::failover::{request_slice, FailoverSettings, SliceRequests};
 use crate::join_filter::{resolve, JoinFilterSettings, JoinFilterSlot, ProbeColumns};
@@ -90,6 +91,9 @@ pub struct SieveScanExec {
     failover: FailoverSettings,
     /// Scan-wide parallelism gauges, made by the first partition to run.
     parallelism: Arc<OnceLock<Arc<Parallelism>>>,
+    /// Partition streams started with the query (`early_start.rs`), taken
+    /// by `execute`.
+    early: EarlySlots,
     properties: Arc<PlanProperties>,
     metrics: ExecutionPlanMetricsSet,
 }
@@ -214,6 +218,7 @@ impl SieveScanExec {
             ipc_codec,
             failover,
             parallelism: Arc::new(OnceLock::new()),
+            early: EarlySlots::default(),
             properties: properties(schema, partitions),
             metrics: ExecutionPlanMetricsSet::new(),
         })
@@ -241,6 +246,7 @@ impl SieveScanExec {
             ipc_codec: self.ipc_codec,
             failover: self.failover,
             parallelism: Arc::new(OnceLock::new()),
+            early: EarlySlots::default(),
             properties: Arc::clone(&self.properties),
             metrics: ExecutionPlanMetricsSet::new(),
         }
@@ -375,6 +381,43 @@ impl SieveScanExec {
     /// Whether the scan holds any dynamic filter from above.
     pub fn has_join_filters(&self) -> bool {
         !self.join_filters.is_empty()
+    }
+
+    /// Whether the scan's requests wait for a join's build side.
+    pub fn waits_for_join_filters(&self) -> bool {
+        self.join_filters.iter().any(|slot| slot.source.is_some())
+    }
+
+    /// Rows estimated to match the pushed predicate (before any pushed
+    /// aggregation), if the statistics say.
+    pub fn estimated_rows(&self) -> Option<usize> {
+        self.filtered_statistics.num_rows.get_value().copied()
+    }
+
+    /// Start every partition now, each buffering up to `buffer_bytes` of
+    /// batches until `execute` takes it (see `early_start.rs`).
+    pub(crate) fn start_early(&self, context: Arc<TaskContext>, buffer_bytes: usize) -> Result<()> {
+        let partitions = self.properties.partitioning.partition_count();
+        let mut streams = Vec::with_capacity(partitions);
+        for partition in 0..partitions {
+            let stream = self.execute_now(partition, Arc::clone(&context))?;
+            MetricBuilder::new(&self.metrics)
+                .counter("partitions_started_early", partition)
+                .add(1);
+            streams.push(Some(buffer_ahead(stream, buffer_bytes)));
+        }
+        self.early.fill(streams);
+        Ok(())
+    }
+
+    /// Partitions started early whose streams nothing has taken yet.
+    pub fn partitions_waiting_early(&self) -> usize {
+        self.early.waiting()
+    }
+
+    /// Drop the partitions started early and not taken, cancelling them.
+    pub(crate) fn clear_early(&self) {
+        self.early.clear();
     }
 
     /// Whether any held dynamic filter has `expression_id`.
@@ -701,6 +744,20 @@ impl ExecutionPlan for SieveScanExec {
     }
 
     fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        if let Some(stream) = self.early.take(partition) {
+            return Ok(stream);
+        }
+        self.execute_now(partition, context)
+    }
+}
+
+impl SieveScanExec {
+    /// Partition `partition`'s stream, its requests sent when first polled.
+    fn execute_now(
         &self,
         partition: usize,
         context: Arc<TaskContext>,

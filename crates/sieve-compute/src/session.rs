@@ -9,7 +9,8 @@ use datafusion::prelude::{SessionConfig, SessionContext};
 
 use crate::range_store::{ClusterRangeStore, CLUSTER_RANGE_URL};
 use crate::{
-    ClusterCatalog, PushAggregateToStorage, SieveConfig, SieveTable, Traffic, WaitForJoinFilters,
+    ClusterCatalog, PushAggregateToStorage, SieveConfig, SieveTable, StartScansEarly, Traffic,
+    WaitForJoinFilters,
 };
 
 /// A DataFusion session whose tables are the cluster's.
@@ -81,6 +82,7 @@ pub async fn connect_session_with_config(
         .with_default_features()
         .with_physical_optimizer_rule(Arc::new(PushAggregateToStorage))
         .with_physical_optimizer_rule(Arc::new(WaitForJoinFilters))
+        .with_physical_optimizer_rule(Arc::new(StartScansEarly))
         .build();
     let context = SessionContext::new_with_state(state);
     let mut range_urls: Vec<String> = vec![String::new(); catalog.clients.len()];

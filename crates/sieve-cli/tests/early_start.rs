@@ -1,0 +1,164 @@
+//! Scans started with the query (`sieve_compute::StartScansEarly`): which
+//! scans start early, that answers stay those of plain DataFusion when a
+//! query runs, and that a scan started early but never consumed is
+//! cancelled when the query ends.
+
+use std::sync::Arc;
+
+use datafusion::physical_plan::{collect, ExecutionPlan};
+use sieve_cli::cluster::EmbeddedCluster;
+use sieve_cli::compare::{reference_context, rows_as_text, run};
+use sieve_cli::queries::TPCH_QUERIES;
+use sieve_compute::{connect_session, EarlyStartExec, SieveScanExec, SieveSession};
+
+mod common;
+
+use common::NODES;
+
+fn scans(plan: &Arc<dyn ExecutionPlan>, found: &mut Vec<Arc<dyn ExecutionPlan>>) {
+    if plan.downcast_ref::<SieveScanExec>().is_some() {
+        found.push(Arc::clone(plan));
+    }
+    for child in plan.children() {
+        scans(child, found);
+    }
+}
+
+fn started_early(scan: &Arc<dyn ExecutionPlan>) -> usize {
+    scan.metrics()
+        .and_then(|metrics| metrics.sum_by_name("partitions_started_early"))
+        .map(|value| value.as_usize())
+        .unwrap_or(0)
+}
+
+fn table(scan: &Arc<dyn ExecutionPlan>) -> String {
+    scan.downcast_ref::<SieveScanExec>()
+        .expect("a SieveScanExec")
+        .table()
+        .name
+        .clone()
+}
+
+async fn plan(session: &SieveSession, sql: &str) -> Arc<dyn ExecutionPlan> {
+    session
+        .context
+        .sql(sql)
+        .await
+        .unwrap()
+        .create_physical_plan()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_scans_start_with_the_query_and_answers_stay_plain_datafusions() {
+    let root = common::small_slices(1);
+    let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
+    let session = connect_session(&cluster.urls()).await.unwrap();
+    let reference = reference_context(&root, NODES).await.unwrap();
+    let (_, q16) = TPCH_QUERIES
+        .iter()
+        .find(|(name, _)| *name == "q16")
+        .expect("q16");
+    let expected = rows_as_text(&run(&reference, q16).await.unwrap(), false).unwrap();
+    assert!(!expected.is_empty());
+
+    // Q16: supplier and part start with the query; partsupp waits for
+    // part's join keys, so it cannot.
+    let physical = plan(&session, q16).await;
+    let root = physical
+        .downcast_ref::<EarlyStartExec>()
+        .expect("the root starts scans early");
+    let mut early = root.tables();
+    early.sort();
+    assert_eq!(early, ["part", "supplier"]);
+
+    // Run, the answer is plain DataFusion's, and the early scans really
+    // ran early (every partition); no stream is left behind.
+    let batches = collect(Arc::clone(&physical), session.context.task_ctx())
+        .await
+        .unwrap();
+    assert_eq!(rows_as_text(&batches, false).unwrap(), expected);
+    let mut found = Vec::new();
+    scans(&physical, &mut found);
+    assert_eq!(found.len(), 3);
+    for scan in &found {
+        let partitions = scan.properties().partitioning.partition_count();
+        let expected_early = match table(scan).as_str() {
+            "partsupp" => 0,
+            _ => partitions,
+        };
+        assert_eq!(started_early(scan), expected_early, "{}", table(scan));
+        let scan = scan.downcast_ref::<SieveScanExec>().unwrap();
+        assert_eq!(scan.partitions_waiting_early(), 0);
+    }
+
+    // Turned off, the plan is DataFusion's own and the answer the same.
+    session
+        .context
+        .sql("set sieve.early_start_rows_max = 0")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let physical = plan(&session, q16).await;
+    assert!(physical.downcast_ref::<EarlyStartExec>().is_none());
+    let batches = collect(physical, session.context.task_ctx()).await.unwrap();
+    assert_eq!(rows_as_text(&batches, false).unwrap(), expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scan_started_early_but_never_read_is_dropped_with_the_query() {
+    let root = common::small_slices(1);
+    let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
+    let session = connect_session(&cluster.urls()).await.unwrap();
+    // Without join filters orders starts early too; the build side
+    // (customer, no row matches) is empty, so the join never reads orders.
+    session
+        .context
+        .sql("set sieve.join_filters = false")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let sql = "select count(*) from orders, customer \
+               where o_custkey = c_custkey and c_name = 'nobody'";
+    let plan = plan(&session, sql).await;
+    let root = plan
+        .downcast_ref::<EarlyStartExec>()
+        .expect("the root starts scans early");
+    assert!(
+        root.tables().contains(&"orders".to_string()),
+        "{:?}",
+        root.tables()
+    );
+    let batches = collect(Arc::clone(&plan), session.context.task_ctx())
+        .await
+        .unwrap();
+    assert_eq!(rows_as_text(&batches, false).unwrap(), ["0"]);
+    let mut found = Vec::new();
+    scans(&plan, &mut found);
+    for scan in &found {
+        let scan = scan.downcast_ref::<SieveScanExec>().unwrap();
+        assert_eq!(
+            scan.partitions_waiting_early(),
+            0,
+            "{} still holds a stream started early",
+            scan.table().name
+        );
+    }
+
+    // A LIMIT met early: the query ends with scans still running.
+    let batches = run(
+        &session.context,
+        "select o_orderkey from orders, customer where o_custkey = c_custkey limit 3",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        batches.iter().map(|batch| batch.num_rows()).sum::<usize>(),
+        3
+    );
+}
