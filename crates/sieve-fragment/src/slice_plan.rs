@@ -30,7 +30,7 @@ use datafusion::physical_plan::filter::FilterExecBuilder;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::ExecutionPlan;
 
-use crate::{DecodedBody, SliceInputExec};
+use crate::{fast_like, DecodedBody, SliceInputExec};
 
 /// Table columns a fragment reads: its projection and its predicate's
 /// columns, sorted and without duplicates.
@@ -111,7 +111,11 @@ pub fn slice_plan(
         .collect();
     let plan: Arc<dyn ExecutionPlan> = match &body.predicate {
         Some(predicate) => {
-            let predicate = reassign_expr_columns(Arc::clone(predicate), &scan.schema())?;
+            // LIKE with inner wildcards as substring searches (like.rs).
+            let predicate = fast_like(reassign_expr_columns(
+                Arc::clone(predicate),
+                &scan.schema(),
+            )?)?;
             Arc::new(
                 FilterExecBuilder::new(predicate, scan)
                     .apply_projection(Some(shipped))?
