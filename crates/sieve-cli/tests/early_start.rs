@@ -9,27 +9,13 @@ use datafusion::physical_plan::{collect, ExecutionPlan};
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_cli::queries::TPCH_QUERIES;
-use sieve_compute::{connect_session, EarlyStartExec, SieveScanExec, SieveSession};
+use sieve_compute::{connect_session, EarlyStartExec, SieveScanExec};
 
 mod common;
+mod plans;
 
 use common::NODES;
-
-fn scans(plan: &Arc<dyn ExecutionPlan>, found: &mut Vec<Arc<dyn ExecutionPlan>>) {
-    if plan.downcast_ref::<SieveScanExec>().is_some() {
-        found.push(Arc::clone(plan));
-    }
-    for child in plan.children() {
-        scans(child, found);
-    }
-}
-
-fn started_early(scan: &Arc<dyn ExecutionPlan>) -> usize {
-    scan.metrics()
-        .and_then(|metrics| metrics.sum_by_name("partitions_started_early"))
-        .map(|value| value.as_usize())
-        .unwrap_or(0)
-}
+use plans::{find_scans, metric, physical_plan};
 
 fn table(scan: &Arc<dyn ExecutionPlan>) -> String {
     scan.downcast_ref::<SieveScanExec>()
@@ -37,17 +23,6 @@ fn table(scan: &Arc<dyn ExecutionPlan>) -> String {
         .table()
         .name
         .clone()
-}
-
-async fn plan(session: &SieveSession, sql: &str) -> Arc<dyn ExecutionPlan> {
-    session
-        .context
-        .sql(sql)
-        .await
-        .unwrap()
-        .create_physical_plan()
-        .await
-        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -65,7 +40,7 @@ async fn small_scans_start_with_the_query_and_answers_stay_plain_datafusions() {
 
     // Q16: supplier and part start with the query; partsupp waits for
     // part's join keys, so it cannot.
-    let physical = plan(&session, q16).await;
+    let physical = physical_plan(&session, q16).await;
     let root = physical
         .downcast_ref::<EarlyStartExec>()
         .expect("the root starts scans early");
@@ -80,7 +55,7 @@ async fn small_scans_start_with_the_query_and_answers_stay_plain_datafusions() {
         .unwrap();
     assert_eq!(rows_as_text(&batches, false).unwrap(), expected);
     let mut found = Vec::new();
-    scans(&physical, &mut found);
+    find_scans(&physical, &mut found);
     assert_eq!(found.len(), 3);
     for scan in &found {
         let partitions = scan.properties().partitioning.partition_count();
@@ -88,7 +63,12 @@ async fn small_scans_start_with_the_query_and_answers_stay_plain_datafusions() {
             "partsupp" => 0,
             _ => partitions,
         };
-        assert_eq!(started_early(scan), expected_early, "{}", table(scan));
+        assert_eq!(
+            metric(scan, "partitions_started_early"),
+            expected_early,
+            "{}",
+            table(scan)
+        );
         let scan = scan.downcast_ref::<SieveScanExec>().unwrap();
         assert_eq!(scan.partitions_waiting_early(), 0);
     }
@@ -102,7 +82,7 @@ async fn small_scans_start_with_the_query_and_answers_stay_plain_datafusions() {
         .collect()
         .await
         .unwrap();
-    let physical = plan(&session, q16).await;
+    let physical = physical_plan(&session, q16).await;
     assert!(physical.downcast_ref::<EarlyStartExec>().is_none());
     let batches = collect(physical, session.context.task_ctx()).await.unwrap();
     assert_eq!(rows_as_text(&batches, false).unwrap(), expected);
@@ -125,7 +105,7 @@ async fn a_scan_started_early_but_never_read_is_dropped_with_the_query() {
         .unwrap();
     let sql = "select count(*) from orders, customer \
                where o_custkey = c_custkey and c_name = 'nobody'";
-    let plan = plan(&session, sql).await;
+    let plan = physical_plan(&session, sql).await;
     let root = plan
         .downcast_ref::<EarlyStartExec>()
         .expect("the root starts scans early");
@@ -139,7 +119,7 @@ async fn a_scan_started_early_but_never_read_is_dropped_with_the_query() {
         .unwrap();
     assert_eq!(rows_as_text(&batches, false).unwrap(), ["0"]);
     let mut found = Vec::new();
-    scans(&plan, &mut found);
+    find_scans(&plan, &mut found);
     for scan in &found {
         let scan = scan.downcast_ref::<SieveScanExec>().unwrap();
         assert_eq!(

@@ -4,15 +4,17 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use datafusion::physical_plan::{collect, ExecutionPlan};
+use datafusion::physical_plan::collect;
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_cli::queries::{is_ordered, TPCH_QUERIES};
 use sieve_compute::{connect_session, SieveScanExec, SieveSession};
 
 mod common;
+mod plans;
 
 use common::NODES;
+use plans::{find_scans, metric, physical_plan};
 
 fn test_data() -> PathBuf {
     common::small_slices(1)
@@ -54,29 +56,6 @@ async fn tpch_queries_match_plain_datafusion_with_ndp_on_and_off() {
             "{name} returned no rows at SF 0.01"
         );
     }
-}
-
-fn find_scans(plan: &Arc<dyn ExecutionPlan>, found: &mut Vec<Arc<dyn ExecutionPlan>>) {
-    if plan.downcast_ref::<SieveScanExec>().is_some() {
-        found.push(Arc::clone(plan));
-    }
-    for child in plan.children() {
-        find_scans(child, found);
-    }
-}
-
-fn metric(plan: &Arc<dyn ExecutionPlan>, name: &str) -> usize {
-    if name == "output_rows" {
-        // DataFusion keeps output rows apart from named counters.
-        return plan
-            .metrics()
-            .and_then(|metrics| metrics.output_rows())
-            .unwrap_or(0);
-    }
-    plan.metrics()
-        .and_then(|metrics| metrics.sum_by_name(name))
-        .map(|value| value.as_usize())
-        .unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -169,14 +148,7 @@ async fn scan_metrics(
     table: &str,
     names: &[&str],
 ) -> (Vec<usize>, Vec<String>) {
-    let plan = session
-        .context
-        .sql(sql)
-        .await
-        .unwrap()
-        .create_physical_plan()
-        .await
-        .unwrap();
+    let plan = physical_plan(session, sql).await;
     let batches = collect(Arc::clone(&plan), session.context.task_ctx())
         .await
         .unwrap();

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use datafusion::common::config::ConfigExtension;
+use datafusion::common::config::{ConfigExtension, ConfigOptions};
 use datafusion::common::{extensions_options, plan_err, Result};
 
 use crate::failover::FailoverSettings;
@@ -78,6 +78,15 @@ pub enum NdpMode {
 }
 
 impl SieveConfig {
+    /// The session's settings, or the defaults where the session has none.
+    pub fn of(options: &ConfigOptions) -> Self {
+        options
+            .extensions
+            .get::<SieveConfig>()
+            .cloned()
+            .unwrap_or_default()
+    }
+
     /// The join filter settings.
     pub fn join_filter_settings(&self) -> JoinFilterSettings {
         JoinFilterSettings {

@@ -92,11 +92,7 @@ impl PhysicalOptimizerRule for StartScansEarly {
         plan: Arc<dyn ExecutionPlan>,
         config: &ConfigOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        let settings = config
-            .extensions
-            .get::<SieveConfig>()
-            .cloned()
-            .unwrap_or_default();
+        let settings = SieveConfig::of(config);
         let plan = match plan.downcast_ref::<EarlyStartExec>() {
             Some(wrapper) => Arc::clone(&wrapper.input),
             None => plan,
@@ -171,15 +167,6 @@ impl EarlyStartExec {
             .filter_map(|scan| scan.downcast_ref::<SieveScanExec>())
             .map(|scan| scan.table().name.clone())
             .collect()
-    }
-
-    /// Drop every buffer not taken yet, cancelling its requests.
-    fn clear(scans: &[Arc<dyn ExecutionPlan>]) {
-        for scan in scans {
-            if let Some(scan) = scan.downcast_ref::<SieveScanExec>() {
-                scan.clear_early();
-            }
-        }
     }
 }
 
@@ -285,7 +272,11 @@ struct ClearOnDrop(Vec<Arc<dyn ExecutionPlan>>);
 
 impl Drop for ClearOnDrop {
     fn drop(&mut self) {
-        EarlyStartExec::clear(&self.0);
+        for scan in &self.0 {
+            if let Some(scan) = scan.downcast_ref::<SieveScanExec>() {
+                scan.clear_early();
+            }
+        }
     }
 }
 

@@ -57,11 +57,7 @@ impl PhysicalOptimizerRule for PushAggregateToStorage {
         plan: Arc<dyn ExecutionPlan>,
         config: &ConfigOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        let settings = config
-            .extensions
-            .get::<SieveConfig>()
-            .cloned()
-            .unwrap_or_default();
+        let settings = SieveConfig::of(config);
         if !settings.aggregate_pushdown {
             return Ok(plan);
         }
@@ -335,11 +331,7 @@ impl PhysicalOptimizerRule for WaitForJoinFilters {
         plan: Arc<dyn ExecutionPlan>,
         config: &ConfigOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        let settings = config
-            .extensions
-            .get::<SieveConfig>()
-            .cloned()
-            .unwrap_or_default();
+        let settings = SieveConfig::of(config);
         let mut sources: Vec<JoinSource> = Vec::new();
         plan.apply(|node| {
             if let Some(join) = node.downcast_ref::<HashJoinExec>() {

@@ -835,8 +835,9 @@ impl SieveScanExec {
         let distinct_bounds: Vec<Option<u64>> = (0..self.shipped.len())
             .map(|index| self.column_distinct_bound(index))
             .collect();
+        let waits = self.waits_for_join_filters();
         let body = async move {
-            if join_filters.iter().all(|slot| slot.source.is_none()) {
+            if !waits {
                 return Ok(base_body);
             }
             // The first partition to get here resolves; the others wait for it.

@@ -175,12 +175,7 @@ impl TableProvider for SieveTable {
         let projection: Vec<usize> = projection
             .cloned()
             .unwrap_or_else(|| (0..schema.fields().len()).collect());
-        let settings = state
-            .config_options()
-            .extensions
-            .get::<SieveConfig>()
-            .cloned()
-            .unwrap_or_default();
+        let settings = SieveConfig::of(state.config_options());
         let df_schema = DFSchema::try_from(Arc::clone(&schema))?;
         let filter = conjunction(filters.iter().cloned());
         let predicate = filter

@@ -23,11 +23,12 @@ use arrow::datatypes::{
     UInt16Type, UInt32Type, UInt64Type, UInt8Type,
 };
 use arrow::record_batch::RecordBatch;
-use datafusion::common::{internal_err, plan_err, Result, ScalarValue};
+use datafusion::common::{internal_err, plan_err, Result};
 use datafusion::logical_expr::ColumnarValue;
 use datafusion::physical_expr::PhysicalExpr;
 
 use crate::bloom::with_integer_keys;
+use crate::unary::evaluate_unary;
 
 /// Upper bound on the bytes of one key bitmap in a fragment (16 Mi values).
 pub const KEY_BITMAP_BYTES_MAX: usize = 2 * 1024 * 1024;
@@ -297,17 +298,7 @@ impl PhysicalExpr for KeyBitmapExpr {
     }
 
     fn evaluate(&self, batch: &RecordBatch) -> Result<ColumnarValue> {
-        match self.input.evaluate(batch)? {
-            ColumnarValue::Array(values) => {
-                Ok(ColumnarValue::Array(Arc::new(self.probe(&values)?)))
-            }
-            ColumnarValue::Scalar(scalar) => {
-                let matched = self.probe(&scalar.to_array()?)?;
-                Ok(ColumnarValue::Scalar(ScalarValue::try_from_array(
-                    &matched, 0,
-                )?))
-            }
-        }
+        evaluate_unary(&self.input, batch, |values| self.probe(values))
     }
 
     fn children(&self) -> Vec<&Arc<dyn PhysicalExpr>> {

@@ -29,9 +29,11 @@ use arrow::datatypes::{
 };
 use arrow::record_batch::RecordBatch;
 use arrow::row::{RowConverter, SortField};
-use datafusion::common::{internal_err, plan_err, Result, ScalarValue};
+use datafusion::common::{internal_err, plan_err, Result};
 use datafusion::logical_expr::ColumnarValue;
 use datafusion::physical_expr::PhysicalExpr;
+
+use crate::unary::evaluate_unary;
 
 /// Upper bound on the bytes of one Bloom filter in a fragment; the fragment
 /// as a whole is also bounded by [`crate::FRAGMENT_BYTES_MAX`].
@@ -408,17 +410,7 @@ impl PhysicalExpr for BloomFilterExpr {
     }
 
     fn evaluate(&self, batch: &RecordBatch) -> Result<ColumnarValue> {
-        match self.input.evaluate(batch)? {
-            ColumnarValue::Array(values) => {
-                Ok(ColumnarValue::Array(Arc::new(self.probe(&values)?)))
-            }
-            ColumnarValue::Scalar(scalar) => {
-                let matched = self.probe(&scalar.to_array()?)?;
-                Ok(ColumnarValue::Scalar(ScalarValue::try_from_array(
-                    &matched, 0,
-                )?))
-            }
-        }
+        evaluate_unary(&self.input, batch, |values| self.probe(values))
     }
 
     fn children(&self) -> Vec<&Arc<dyn PhysicalExpr>> {

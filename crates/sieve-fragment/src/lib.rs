@@ -38,6 +38,7 @@ mod codec;
 mod envelope;
 mod like;
 mod slice_plan;
+mod unary;
 mod wire;
 
 pub use allow_list::{

@@ -33,6 +33,8 @@ use datafusion::physical_expr::expressions::{LikeExpr, Literal};
 use datafusion::physical_expr::PhysicalExpr;
 use memchr::memmem::Finder;
 
+use crate::unary::evaluate_unary;
+
 /// `predicate` with every `LIKE` / `NOT LIKE` whose pattern has inner
 /// wildcards (and nothing but literals and `%`) replaced by an
 /// [`OrderedSubstringsExpr`]; other expressions unchanged.
@@ -190,17 +192,7 @@ impl PhysicalExpr for OrderedSubstringsExpr {
     }
 
     fn evaluate(&self, batch: &RecordBatch) -> Result<ColumnarValue> {
-        match self.input.evaluate(batch)? {
-            ColumnarValue::Array(values) => Ok(ColumnarValue::Array(Arc::new(
-                self.evaluate_array(&values)?,
-            ))),
-            ColumnarValue::Scalar(scalar) => {
-                let matched = self.evaluate_array(&scalar.to_array()?)?;
-                Ok(ColumnarValue::Scalar(ScalarValue::try_from_array(
-                    &matched, 0,
-                )?))
-            }
-        }
+        evaluate_unary(&self.input, batch, |values| self.evaluate_array(values))
     }
 
     fn children(&self) -> Vec<&Arc<dyn PhysicalExpr>> {
