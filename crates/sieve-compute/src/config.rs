@@ -31,7 +31,8 @@ extensions_options! {
         /// Apply hash joins' build-side keys (range, IN list, Bloom filter)
         /// on the storage nodes of the probe side.
         pub join_filters: bool, default = true
-        /// Build-side keys up to this many go as an exact IN list.
+        /// Build-side keys up to this many go as an exact IN list when no key
+        /// bitmap fits (up to 20, always).
         pub join_filter_list_max: usize, default = 1024
         /// Build-side keys up to this many go as a Bloom filter (beyond, the
         /// key range only). DataFusion hands over key lists up to this size.

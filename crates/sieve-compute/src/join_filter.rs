@@ -10,13 +10,13 @@
 //!
 //! - **range**: `key >= min AND key <= max` per key column; the storage
 //!   node's page index prunes pages with it;
-//! - **list**: `key IN (...)` when there are at most
-//!   `sieve.join_filter_list_max` distinct keys; Bloom filters on the slice's
-//!   key columns prune row groups with it;
-//! - **bitmap**: a [`KeyBitmapExpr`] when there are more and they are
-//!   integers in a range narrow enough that one bit per value takes at most
-//!   `sieve.join_filter_bitmap_bytes`, or twice the Bloom filter's bytes: exact,
-//!   and cheaper to probe than a Bloom filter;
+//! - **list**: `key IN (...)` for at most 20 distinct keys, or for at most
+//!   `sieve.join_filter_list_max` when no bitmap fits; Bloom filters on the
+//!   slice's key columns prune row groups with it;
+//! - **bitmap**: a [`KeyBitmapExpr`] for more keys when they are integers in
+//!   a range narrow enough that one bit per value takes at most
+//!   `sieve.join_filter_bitmap_bytes`, or twice the Bloom filter's bytes:
+//!   exact, and cheaper to probe than a hash set or a Bloom filter;
 //! - **bloom**: a [`BloomFilterExpr`] otherwise (up to
 //!   `sieve.join_filter_keys_max` keys), sized for `sieve.join_filter_bloom_fpp`.
 //!
@@ -105,6 +105,14 @@ pub(crate) struct ProbeColumns<'a> {
 /// A key set holding at least this share of the values the probe column can
 /// take filters too little to be worth a membership test.
 const UNSELECTIVE_KEYS_RATIO: f64 = 0.9;
+
+/// Up to this many keys an IN list is shipped even where a key bitmap would
+/// fit: DataFusion's pruning rewrites lists this short into per-key
+/// min/max tests, and probing a hash set of so few keys costs little. Beyond
+/// it a bitmap that fits is preferred: one bit test per row against a hash
+/// lookup (Q11's 396 supplier keys: 14% of the storage node's CPU went to
+/// the IN list's hash set).
+const LIST_PREFERRED_MAX: usize = 20;
 
 /// Wait for every join filter with a known source, then turn all of them into
 /// conjuncts over the table schema. Returns the conjuncts and a description
@@ -433,27 +441,27 @@ fn build(
                 parts.push(format!(
                     "unselective ({keys} keys of at most {bound} values): no membership test"
                 ));
-            } else if keys <= settings.list_max {
-                let list = (0..keys)
-                    .map(|row| Ok(lit(ScalarValue::try_from_array(&members, row)?)))
-                    .collect::<Result<Vec<_>>>()?;
-                conjuncts.push(Arc::new(InListExpr::try_new(
-                    key,
-                    list,
-                    false,
-                    table_schema,
-                )?));
-                parts.push(format!("list ({keys} keys)"));
-            } else if keys <= settings.keys_max {
+            } else if keys <= settings.keys_max || keys <= settings.list_max {
                 let data_type = key.data_type(table_schema)?;
                 let bloom_bytes = BloomFilterExpr::bytes_for(keys as u64, settings.bloom_fpp);
                 let bitmap_budget = settings
                     .bitmap_bytes
                     .max(2 * bloom_bytes)
                     .min(KEY_BITMAP_BYTES_MAX);
-                let bitmap_bytes = KeyBitmapExpr::bytes_for(&members, &data_type)?
-                    .filter(|&bytes| settings.bitmap_bytes > 0 && bytes <= bitmap_budget);
-                if bitmap_bytes.is_some() {
+                let bitmap_fits = KeyBitmapExpr::bytes_for(&members, &data_type)?
+                    .is_some_and(|bytes| settings.bitmap_bytes > 0 && bytes <= bitmap_budget);
+                if keys <= settings.list_max && (keys <= LIST_PREFERRED_MAX || !bitmap_fits) {
+                    let list = (0..keys)
+                        .map(|row| Ok(lit(ScalarValue::try_from_array(&members, row)?)))
+                        .collect::<Result<Vec<_>>>()?;
+                    conjuncts.push(Arc::new(InListExpr::try_new(
+                        key,
+                        list,
+                        false,
+                        table_schema,
+                    )?));
+                    parts.push(format!("list ({keys} keys)"));
+                } else if bitmap_fits {
                     let bitmap = KeyBitmapExpr::try_new(key, data_type, &members)?;
                     parts.push(format!(
                         "bitmap ({keys} keys over {} values, {} bytes)",
@@ -650,6 +658,45 @@ mod tests {
         let wide = summary((0..4000).map(|k| k * 1_000_000).collect());
         let (_, description) = build(&wide, &with_bitmaps, probe).unwrap();
         assert!(description.starts_with("bloom (4000 keys"), "{description}");
+    }
+
+    /// Past 20 keys a bitmap that fits replaces the IN list; short lists and
+    /// keys too spread for a bitmap stay lists up to `list_max`.
+    #[test]
+    fn lists_give_way_to_bitmaps_past_twenty_keys() {
+        let schema = Schema::new(vec![Field::new("k", DataType::Int64, true)]);
+        let probe = ProbeColumns {
+            shipped: &[0],
+            table_schema: &schema,
+            distinct_bounds: &[None],
+        };
+        let defaults = JoinFilterSettings {
+            list_max: 1024,
+            keys_max: 262_144,
+            bitmap_bytes: 65536,
+            ..settings()
+        };
+        let summary = |keys: Vec<i64>| KeySummary {
+            members: vec![(0, Arc::new(Int64Array::from(keys)) as ArrayRef)],
+            ..KeySummary::default()
+        };
+        let kind = |keys: Vec<i64>, settings: &JoinFilterSettings| {
+            let (conjuncts, description) = build(&summary(keys), settings, probe).unwrap();
+            assert_eq!(conjuncts.len(), 1, "{description}");
+            description
+        };
+        let list = kind((0..20).map(|k| k * 25 + 33).collect(), &defaults);
+        assert_eq!(list, "list (20 keys)");
+        let bitmap = kind((0..396).map(|k| k * 25 + 33).collect(), &defaults);
+        assert!(bitmap.starts_with("bitmap (396 keys"), "{bitmap}");
+        let wide = kind((0..396).map(|k| k * 1_000_000_007).collect(), &defaults);
+        assert_eq!(wide, "list (396 keys)");
+        let no_bitmaps = JoinFilterSettings {
+            bitmap_bytes: 0,
+            ..defaults
+        };
+        let list = kind((0..396).map(|k| k * 25 + 33).collect(), &no_bitmaps);
+        assert_eq!(list, "list (396 keys)");
     }
 
     #[test]
