@@ -551,18 +551,22 @@ mod tests {
         RecordBatch::try_from_iter([("v", column)]).unwrap()
     }
 
+    /// A 64-bit mixer's output: no byte repeats a pattern lz4 can use.
+    fn noise() -> RecordBatch {
+        batch((0..8192u64).map(|row| {
+            let mut value = row.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            value ^= value >> 29;
+            value.wrapping_mul(0xbf58_476d_1ce4_e5b9) as i64
+        }))
+    }
+
     /// lz4 is kept for a batch it shrinks and dropped for one it cannot.
     #[test]
     fn lz4_is_kept_only_where_it_shrinks_the_batch() {
         let lz4 = Some(CompressionType::LZ4_FRAME);
         let repetitive = batch((0..8192).map(|row| row % 4));
         assert!(compression_pays(&repetitive, lz4));
-        // A 64-bit mixer's output: no byte repeats a pattern lz4 can use.
-        let noise = batch((0..8192u64).map(|row| {
-            let mut value = row.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            value ^= value >> 29;
-            value.wrapping_mul(0xbf58_476d_1ce4_e5b9) as i64
-        }));
+        let noise = noise();
         assert!(!compression_pays(&noise, lz4));
     }
 
@@ -572,11 +576,7 @@ mod tests {
     fn the_first_slice_decides_the_codec_for_its_table_and_schema() {
         let lz4 = Some(CompressionType::LZ4_FRAME);
         let repetitive = batch((0..8192).map(|row| row % 4));
-        let noise = batch((0..8192u64).map(|row| {
-            let mut value = row.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            value ^= value >> 29;
-            value.wrapping_mul(0xbf58_476d_1ce4_e5b9) as i64
-        }));
+        let noise = noise();
         let choices = Arc::default();
         let on = |table: &str| Adaptive {
             choices: Arc::clone(&choices),
