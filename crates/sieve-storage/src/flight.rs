@@ -396,8 +396,6 @@ async fn process(
         .await;
 }
 
-/// Whether `compression` shrinks `batch`'s IPC body to at most 4/5 of its
-/// plain size. Costs one extra encoding of one batch per slice.
 /// The node's own choice of lz4 for a peer on its host, to be confirmed by
 /// the data.
 struct Adaptive {
@@ -449,6 +447,10 @@ struct CodecChoices(Mutex<std::collections::HashMap<u64, bool>>);
 /// Schemas remembered before [`CodecChoices`] starts afresh.
 const CODEC_CHOICES_MAX: usize = 4096;
 
+/// Whether `compression` shrinks `batch`'s IPC body to at most 4/5 of its
+/// plain size. Costs two encodings of the batch ([`Adaptive::pays`] asks
+/// once per table and shipped schema). Two slices that ask at once may both
+/// find out; the later answer stays.
 fn compression_pays(
     batch: &arrow::record_batch::RecordBatch,
     compression: Option<arrow::ipc::CompressionType>,
