@@ -5,11 +5,14 @@
 //! - [`queries`]: the 22 TPC-H queries (standard text, validation parameters);
 //! - [`demo`]: the embedded default: TPC-H with NDP on and off, side by side;
 //! - [`compare`]: result comparison against plain DataFusion;
-//! - [`bench`]: `sieve bench`, NDP on, NDP off and DuckDB over an emulated link.
+//! - [`bench`]: `sieve bench`, NDP on, NDP off and DuckDB over an emulated link;
+//! - [`fuzz`]: `sieve fuzz`, random tables and queries through Sieve in several
+//!   modes, each result compared with plain DataFusion's.
 #![deny(missing_docs)]
 
 pub mod bench;
 pub mod cluster;
 pub mod compare;
 pub mod demo;
+pub mod fuzz;
 pub mod queries;

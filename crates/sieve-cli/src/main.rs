@@ -11,6 +11,7 @@ use sieve_cli::bench::streams::{format_streams, run_streams, StreamsOptions};
 use sieve_cli::bench::{run_bench, BenchOptions, LinkSpec, Mode};
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::demo::{ensure_data, format_table, run_demo, DemoOptions};
+use sieve_cli::fuzz::{mismatches_as_error, run_fuzz, FuzzOptions, Mode as FuzzMode};
 use sieve_compute::connect_session;
 use sieve_format::{generate_tpch, SliceLayout};
 use sieve_storage::{ExecuteOptions, StorageNode, StorageNodeConfig};
@@ -177,6 +178,38 @@ enum Command {
         /// Longest wait for a pushdown worker before a slice is served raw, ms.
         #[arg(long, default_value_t = sieve_storage::DEFAULT_PUSHDOWN_WAIT_MS)]
         pushdown_wait_ms: u64,
+    },
+    /// Differential fuzzing: random tables and queries through Sieve in
+    /// several modes, each result compared with plain DataFusion over the
+    /// same files. Exits non-zero on any mismatch.
+    Fuzz {
+        /// The run's seed: the same seed gives the same tables and queries.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Schemas (sets of two to four random tables) to generate.
+        #[arg(long, default_value_t = 6)]
+        schemas: usize,
+        /// Queries per schema.
+        #[arg(long, default_value_t = 50)]
+        queries_per_schema: usize,
+        /// Where the slices go while a schema runs (removed afterwards);
+        /// default: the system's temporary directory.
+        #[arg(long)]
+        data: Option<PathBuf>,
+        /// Sieve modes to compare with plain DataFusion: default,
+        /// no-join-filters, no-aggregate-pushdown, raw, ndp-off.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "default,no-join-filters,no-aggregate-pushdown,raw,ndp-off"
+        )]
+        modes: Vec<String>,
+        /// Only this schema index (to reproduce a mismatch).
+        #[arg(long = "schema")]
+        only_schema: Option<usize>,
+        /// Only this query index in each schema (to reproduce a mismatch).
+        #[arg(long = "query")]
+        only_query: Option<usize>,
     },
     /// SQL against a cluster: an interactive shell, or -c / -f.
     Sql {
@@ -359,6 +392,29 @@ async fn run(cli: Cli) -> Result<()> {
             let reports = run_streams(&options).await?;
             println!("{}", format_streams(&options, &reports));
             Ok(())
+        }
+        Command::Fuzz {
+            seed,
+            schemas,
+            queries_per_schema,
+            data,
+            modes,
+            only_schema,
+            only_query,
+        } => {
+            let options = FuzzOptions {
+                data_directory: data,
+                modes: modes
+                    .iter()
+                    .map(|mode| FuzzMode::parse(mode))
+                    .collect::<Result<_>>()?,
+                only_schema,
+                only_query,
+                ..FuzzOptions::new(seed, schemas, queries_per_schema)
+            };
+            let report = run_fuzz(&options).await?;
+            println!("{}", report.summary());
+            mismatches_as_error(&report)
         }
         Command::Storage {
             data,

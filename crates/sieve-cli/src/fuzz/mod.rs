@@ -1,0 +1,745 @@
+//! A deterministic, differential SQL fuzzer: random tables and random
+//! queries, each run through Sieve in several modes and compared with plain
+//! DataFusion over the same Parquet files.
+//!
+//! In the spirit of SQLancer's differential oracles and DataFusion's own
+//! `fuzz_cases`: the reference ([`crate::compare::reference_context_for`])
+//! and Sieve share DataFusion's SQL semantics, so any difference in a result
+//! is a bug in what Sieve adds: the pushed fragment, join filters, pushed
+//! partial aggregation, raw slices, or the scan itself.
+//!
+//! # How a run goes
+//!
+//! For each schema `i` of a run with seed `S`, the schema seed is
+//! `derive_seed(S, i)`, and it alone fixes the tables ([`FuzzSchema`]): two
+//! to four tables of random types, NULL rates and join-key distributions,
+//! written as slices with small row groups and pages over three node
+//! directories, each slice on two nodes. Query `j` of that schema comes from
+//! `derive_seed(schema seed, j)` ([`QueryGenerator`]). The same seed
+//! therefore gives the same tables and queries on every machine, and one
+//! schema or query can be rerun alone (`--schema I --query J`).
+//!
+//! Each query runs first in plain DataFusion. A query the reference cannot
+//! plan is the generator's fault: it is counted and reported, not compared.
+//! Otherwise it runs in every [`Mode`], and the results must agree:
+//!
+//! - rows are compared as text ([`crate::compare::rows_as_text`]), sorted
+//!   unless the query's `ORDER BY` is a total order;
+//! - float aggregates (sums, averages, variances over floats, averages of
+//!   integers) are compared with a relative tolerance of
+//!   [`FLOAT_RELATIVE_TOLERANCE`] (or an absolute one of
+//!   [`FLOAT_ABSOLUTE_TOLERANCE`] near zero), because the order rows are
+//!   summed in legitimately differs between plans; every other cell must be
+//!   equal;
+//! - an error in both engines is agreement (counted); an error in one only,
+//!   or a query running longer than [`QUERY_TIMEOUT_MS`], is a mismatch.
+//!
+//! A mismatch carries everything needed to reproduce it: the seeds, the
+//! tables' parameters, the query, the mode, and the first rows that differ.
+//!
+//! ```no_run
+//! # async fn example() -> datafusion::common::Result<()> {
+//! use sieve_cli::fuzz::{run_fuzz, FuzzOptions};
+//! let report = run_fuzz(&FuzzOptions::new(1, 2, 20)).await?;
+//! assert!(report.mismatches.is_empty(), "{}", report.summary());
+//! # Ok(())
+//! # }
+//! ```
+
+mod queries;
+mod rng;
+mod tables;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use arrow::record_batch::RecordBatch;
+use datafusion::common::{plan_err, DataFusionError, Result};
+use datafusion::prelude::SessionContext;
+use sieve_compute::{connect_session, SieveSession};
+use sieve_storage::ExecuteOptions;
+
+use crate::cluster::EmbeddedCluster;
+use crate::compare::{reference_context_for, rows_as_text};
+
+pub use queries::{FuzzQuery, QueryGenerator, QueryShape, JOIN_ROWS_MAX};
+pub use rng::SeededRandom;
+pub use tables::{
+    ColumnSpec, FuzzSchema, FuzzTable, KeyDistribution, TableSpec, KEY_NAMES, NODES,
+    TABLE_ROWS_MAX,
+};
+
+/// Relative tolerance for float aggregates: summing up to 3,000 values in
+/// another order changes a double in about its last 12 bits at most, far
+/// below one part in a billion.
+pub const FLOAT_RELATIVE_TOLERANCE: f64 = 1e-9;
+
+/// Absolute tolerance for float aggregates whose exact value is near zero,
+/// where a sum of values up to 1,000 cancels and only the rounding error of
+/// the partial sums (about 1e-8) is left.
+pub const FLOAT_ABSOLUTE_TOLERANCE: f64 = 1e-6;
+
+/// Longest a query may run in one engine, ms. Every generated query takes
+/// milliseconds; one that takes a minute is stuck (a scan waiting for a join
+/// filter that never comes, say), which is a mismatch, not a reason to hang.
+pub const QUERY_TIMEOUT_MS: u64 = 60_000;
+
+/// Rows shown on each side of a mismatch, from the first difference on.
+const DIFFERENCE_ROWS_SHOWN: usize = 5;
+
+/// Planning failures of the reference kept as examples in the report.
+const PLAN_FAILURE_EXAMPLES_MAX: usize = 10;
+
+/// How Sieve runs a query; each mode is compared with plain DataFusion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Mode {
+    /// The default settings: pushdown, join filters, aggregation pushdown.
+    Default,
+    /// `SET sieve.join_filters = false`.
+    NoJoinFilters,
+    /// `SET sieve.aggregate_pushdown = false`.
+    NoAggregatePushdown,
+    /// Default settings against storage nodes without pushdown workers, so
+    /// every slice is served raw and the compute node runs the fragment.
+    Raw,
+    /// `SET sieve.ndp = off`: stock DataFusion reading the slices by byte
+    /// range.
+    NdpOff,
+}
+
+impl Mode {
+    /// Every mode, in the order they run.
+    pub const ALL: [Mode; 5] = [
+        Mode::Default,
+        Mode::NoJoinFilters,
+        Mode::NoAggregatePushdown,
+        Mode::Raw,
+        Mode::NdpOff,
+    ];
+
+    /// The mode's name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Default => "default",
+            Mode::NoJoinFilters => "no-join-filters",
+            Mode::NoAggregatePushdown => "no-aggregate-pushdown",
+            Mode::Raw => "raw",
+            Mode::NdpOff => "ndp-off",
+        }
+    }
+
+    /// The mode named `name` (as [`Mode::name`] spells it).
+    pub fn parse(name: &str) -> Result<Self> {
+        match Self::ALL.iter().find(|mode| mode.name() == name.trim()) {
+            Some(mode) => Ok(*mode),
+            None => plan_err!(
+                "unknown fuzz mode '{name}' (known: {})",
+                Self::ALL.map(Mode::name).join(", ")
+            ),
+        }
+    }
+
+    /// The SQL a user would type to get this mode, for reproductions.
+    pub fn how(self) -> &'static str {
+        match self {
+            Mode::Default => "Sieve, default settings",
+            Mode::NoJoinFilters => "Sieve, SET sieve.join_filters = false",
+            Mode::NoAggregatePushdown => "Sieve, SET sieve.aggregate_pushdown = false",
+            Mode::Raw => "Sieve, storage nodes with --pushdown-workers 0 (every slice raw)",
+            Mode::NdpOff => "Sieve, SET sieve.ndp = off",
+        }
+    }
+}
+
+/// What to fuzz.
+#[derive(Debug, Clone)]
+pub struct FuzzOptions {
+    /// The run's seed: it fixes every schema and query.
+    pub seed: u64,
+    /// Schemas (sets of tables) to generate.
+    pub schemas: usize,
+    /// Queries per schema.
+    pub queries_per_schema: usize,
+    /// Where the slices go (a directory per schema, removed afterwards);
+    /// None: the system's temporary directory.
+    pub data_directory: Option<PathBuf>,
+    /// The Sieve modes each query runs in.
+    pub modes: Vec<Mode>,
+    /// Only this schema index (to reproduce a mismatch).
+    pub only_schema: Option<usize>,
+    /// Only this query index within each schema (to reproduce a mismatch).
+    pub only_query: Option<usize>,
+    /// Print a line per schema and every mismatch as it is found.
+    pub progress: bool,
+}
+
+impl FuzzOptions {
+    /// `schemas` schemas of `queries_per_schema` queries from `seed`, in
+    /// every mode, in a temporary directory, with progress lines.
+    pub fn new(seed: u64, schemas: usize, queries_per_schema: usize) -> Self {
+        Self {
+            seed,
+            schemas,
+            queries_per_schema,
+            data_directory: None,
+            modes: Mode::ALL.to_vec(),
+            only_schema: None,
+            only_query: None,
+            progress: true,
+        }
+    }
+}
+
+/// One query on which a Sieve mode and plain DataFusion disagree, with
+/// everything needed to reproduce it.
+#[derive(Debug, Clone)]
+pub struct Mismatch {
+    /// The run's seed.
+    pub seed: u64,
+    /// The schema's index in the run, and its seed.
+    pub schema_index: usize,
+    /// The seed the schema's tables came from.
+    pub schema_seed: u64,
+    /// The query's index in its schema.
+    pub query_index: usize,
+    /// The query.
+    pub query: FuzzQuery,
+    /// The mode that disagreed.
+    pub mode: Mode,
+    /// The tables' parameters ([`FuzzSchema::describe`]).
+    pub tables: String,
+    /// What differs: row counts and the first differing rows, or the error.
+    pub difference: String,
+}
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            formatter,
+            "MISMATCH in mode {} ({}), {:?} query",
+            self.mode.name(),
+            self.mode.how(),
+            self.query.shape
+        )?;
+        writeln!(
+            formatter,
+            "  seed {}, schema {} (schema seed {:#018x}), query {}",
+            self.seed, self.schema_index, self.schema_seed, self.query_index
+        )?;
+        writeln!(
+            formatter,
+            "  reproduce: sieve fuzz --seed {} --schemas {} --queries-per-schema {} --schema {} --query {} --modes {}",
+            self.seed,
+            self.schema_index + 1,
+            self.query_index + 1,
+            self.schema_index,
+            self.query_index,
+            self.mode.name()
+        )?;
+        writeln!(formatter, "  tables:")?;
+        write!(formatter, "{}", self.tables)?;
+        writeln!(formatter, "  query: {}", self.query.sql)?;
+        if !self.query.approximate_columns.is_empty() {
+            writeln!(
+                formatter,
+                "  (columns {:?} compared with a tolerance)",
+                self.query.approximate_columns
+            )?;
+        }
+        write!(formatter, "{}", self.difference)
+    }
+}
+
+/// What a run found.
+#[derive(Debug, Default)]
+pub struct FuzzReport {
+    /// Queries generated.
+    pub queries: usize,
+    /// Queries generated, by shape.
+    pub queries_by_shape: BTreeMap<QueryShape, usize>,
+    /// Queries plain DataFusion could not plan (not compared).
+    pub reference_plan_failures: usize,
+    /// Some of them, with the error.
+    pub reference_plan_failure_examples: Vec<(String, String)>,
+    /// Queries that failed while running in the reference; each mode must
+    /// fail too.
+    pub reference_execution_errors: usize,
+    /// Comparisons made (queries times modes).
+    pub comparisons: usize,
+    /// Comparisons where both engines raised an error (agreement).
+    pub both_errored: usize,
+    /// Comparisons per mode.
+    pub comparisons_by_mode: BTreeMap<Mode, usize>,
+    /// Every disagreement.
+    pub mismatches: Vec<Mismatch>,
+    /// Wall time of the whole run.
+    pub elapsed: Duration,
+}
+
+impl FuzzReport {
+    /// A few lines: counts by shape and mode, plan failures, mismatches.
+    pub fn summary(&self) -> String {
+        let mut text = String::new();
+        let _ = writeln!(
+            text,
+            "{} queries in {:.1} s: {} plan failure(s) in plain DataFusion (not compared), \
+             {} execution error(s) in plain DataFusion",
+            self.queries,
+            self.elapsed.as_secs_f64(),
+            self.reference_plan_failures,
+            self.reference_execution_errors
+        );
+        let shapes: Vec<String> = self
+            .queries_by_shape
+            .iter()
+            .map(|(shape, count)| format!("{shape:?} {count}"))
+            .collect();
+        let _ = writeln!(text, "by shape: {}", shapes.join(", "));
+        let modes: Vec<String> = self
+            .comparisons_by_mode
+            .iter()
+            .map(|(mode, count)| {
+                let mismatches = self
+                    .mismatches
+                    .iter()
+                    .filter(|mismatch| mismatch.mode == *mode)
+                    .count();
+                format!("{} {count} ({mismatches} mismatched)", mode.name())
+            })
+            .collect();
+        let _ = writeln!(text, "comparisons by mode: {}", modes.join(", "));
+        let _ = writeln!(
+            text,
+            "{} comparison(s), {} where both engines failed (agreement), {} mismatch(es)",
+            self.comparisons,
+            self.both_errored,
+            self.mismatches.len()
+        );
+        for (sql, error) in &self.reference_plan_failure_examples {
+            let _ = writeln!(text, "plan failure: {error}\n  in: {sql}");
+        }
+        text
+    }
+}
+
+/// Run the fuzzer: every schema, every query, every mode.
+pub async fn run_fuzz(options: &FuzzOptions) -> Result<FuzzReport> {
+    if options.modes.is_empty() {
+        return plan_err!("at least one fuzz mode is needed");
+    }
+    let started = Instant::now();
+    let base = match &options.data_directory {
+        Some(directory) => directory.clone(),
+        None => std::env::temp_dir(),
+    };
+    let mut report = FuzzReport::default();
+    for schema_index in 0..options.schemas {
+        if options
+            .only_schema
+            .is_some_and(|only| only != schema_index)
+        {
+            continue;
+        }
+        let schema_seed = SeededRandom::derive_seed(options.seed, schema_index as u64);
+        let root = base.join(format!(
+            "sieve-fuzz-{}-{}-{schema_index}",
+            std::process::id(),
+            options.seed
+        ));
+        let _ = std::fs::remove_dir_all(&root);
+        let outcome = run_schema(options, schema_index, schema_seed, &root, &mut report).await;
+        let _ = std::fs::remove_dir_all(&root);
+        outcome?;
+    }
+    report.elapsed = started.elapsed();
+    Ok(report)
+}
+
+/// The Sieve sessions of one schema, one per mode, with the clusters they
+/// talk to (kept alive as long as the sessions).
+struct Engines {
+    sessions: Vec<(Mode, SieveSession)>,
+    clusters: Vec<EmbeddedCluster>,
+}
+
+async fn start_engines(root: &Path, modes: &[Mode]) -> Result<Engines> {
+    let mut clusters = Vec::new();
+    let default = EmbeddedCluster::start(root, NODES).await?;
+    let default_urls = default.urls();
+    clusters.push(default);
+    let mut raw_urls = None;
+    if modes.contains(&Mode::Raw) {
+        let raw = EmbeddedCluster::start_with(
+            root,
+            NODES,
+            ExecuteOptions {
+                pushdown_workers: 0,
+                ..ExecuteOptions::default()
+            },
+        )
+        .await?;
+        raw_urls = Some(raw.urls());
+        clusters.push(raw);
+    }
+    let mut sessions = Vec::with_capacity(modes.len());
+    for &mode in modes {
+        let session = match (mode, &raw_urls) {
+            (Mode::Raw, Some(urls)) => connect_session(urls).await?,
+            _ => connect_session(&default_urls).await?,
+        };
+        match mode {
+            Mode::NoJoinFilters => session.apply_settings(&["sieve.join_filters=false".into()])?,
+            Mode::NoAggregatePushdown => {
+                session.apply_settings(&["sieve.aggregate_pushdown=false".into()])?
+            }
+            Mode::NdpOff => session.set_ndp(false)?,
+            Mode::Default | Mode::Raw => {}
+        }
+        sessions.push((mode, session));
+    }
+    Ok(Engines { sessions, clusters })
+}
+
+async fn run_schema(
+    options: &FuzzOptions,
+    schema_index: usize,
+    schema_seed: u64,
+    root: &Path,
+    report: &mut FuzzReport,
+) -> Result<()> {
+    let started = Instant::now();
+    let schema = FuzzSchema::generate(schema_seed)?;
+    schema.write(root)?;
+    let engines = start_engines(root, &options.modes).await?;
+    let reference = reference_context_for(root, NODES, &schema.table_names()).await?;
+    let mismatches_before = report.mismatches.len();
+    let plan_failures_before = report.reference_plan_failures;
+    let tables = schema.describe();
+    for query_index in 0..options.queries_per_schema {
+        if options.only_query.is_some_and(|only| only != query_index) {
+            continue;
+        }
+        let query_seed = SeededRandom::derive_seed(schema_seed, query_index as u64);
+        let query = QueryGenerator::new(&schema, query_seed).query();
+        report.queries += 1;
+        *report.queries_by_shape.entry(query.shape).or_insert(0) += 1;
+        let expected = match run_query(&reference, &query.sql).await {
+            Outcome::PlanError(error) => {
+                report.reference_plan_failures += 1;
+                if report.reference_plan_failure_examples.len() < PLAN_FAILURE_EXAMPLES_MAX {
+                    report
+                        .reference_plan_failure_examples
+                        .push((query.sql.clone(), first_line(&error)));
+                }
+                continue;
+            }
+            Outcome::Rows(batches) => Ok(batches),
+            Outcome::ExecutionError(error) => {
+                report.reference_execution_errors += 1;
+                Err(error)
+            }
+        };
+        for (mode, session) in &engines.sessions {
+            report.comparisons += 1;
+            *report.comparisons_by_mode.entry(*mode).or_insert(0) += 1;
+            let actual = match run_query(&session.context, &query.sql).await {
+                Outcome::Rows(batches) => Ok(batches),
+                Outcome::PlanError(error) | Outcome::ExecutionError(error) => Err(error),
+            };
+            let difference = match (&expected, &actual) {
+                (Ok(expected), Ok(actual)) => difference(expected, actual, &query)?,
+                (Err(_), Err(_)) => {
+                    report.both_errored += 1;
+                    None
+                }
+                (Ok(expected), Err(error)) => Some(format!(
+                    "  plain DataFusion returned {} row(s); Sieve failed: {error}\n",
+                    rows(expected)
+                )),
+                (Err(error), Ok(actual)) => Some(format!(
+                    "  plain DataFusion failed: {error}\n  Sieve returned {} row(s)\n",
+                    rows(actual)
+                )),
+            };
+            if let Some(difference) = difference {
+                let mismatch = Mismatch {
+                    seed: options.seed,
+                    schema_index,
+                    schema_seed,
+                    query_index,
+                    query: query.clone(),
+                    mode: *mode,
+                    tables: tables.clone(),
+                    difference,
+                };
+                if options.progress {
+                    println!("{mismatch}");
+                }
+                report.mismatches.push(mismatch);
+            }
+        }
+    }
+    if options.progress {
+        let rows: Vec<usize> = schema.tables.iter().map(|table| table.spec.rows()).collect();
+        println!(
+            "schema {schema_index} (seed {schema_seed:#018x}, {} tables of {rows:?} rows): \
+             {} queries, {} plan failure(s) in plain DataFusion, {} mismatch(es), {:.1} s",
+            schema.tables.len(),
+            options
+                .only_query
+                .map_or(options.queries_per_schema, |_| 1),
+            report.reference_plan_failures - plan_failures_before,
+            report.mismatches.len() - mismatches_before,
+            started.elapsed().as_secs_f64()
+        );
+    }
+    drop(engines.sessions);
+    for cluster in engines.clusters {
+        for node in cluster.nodes {
+            node.stop().await;
+        }
+    }
+    Ok(())
+}
+
+/// What running a query gave.
+enum Outcome {
+    /// Its result.
+    Rows(Vec<RecordBatch>),
+    /// It could not be parsed or planned.
+    PlanError(String),
+    /// It failed (or timed out) while running.
+    ExecutionError(String),
+}
+
+async fn run_query(context: &SessionContext, sql: &str) -> Outcome {
+    let timeout = Duration::from_millis(QUERY_TIMEOUT_MS);
+    let frame = match tokio::time::timeout(timeout, context.sql(sql)).await {
+        Ok(Ok(frame)) => frame,
+        Ok(Err(error)) => return Outcome::PlanError(error.to_string()),
+        Err(_) => return Outcome::ExecutionError(format!("planning took over {QUERY_TIMEOUT_MS} ms")),
+    };
+    match tokio::time::timeout(timeout, frame.collect()).await {
+        Ok(Ok(batches)) => Outcome::Rows(batches),
+        Ok(Err(error)) => Outcome::ExecutionError(error.to_string()),
+        Err(_) => Outcome::ExecutionError(format!("ran over {QUERY_TIMEOUT_MS} ms")),
+    }
+}
+
+fn rows(batches: &[RecordBatch]) -> usize {
+    batches.iter().map(RecordBatch::num_rows).sum()
+}
+
+fn first_line(text: &str) -> String {
+    text.lines().next().unwrap_or_default().to_string()
+}
+
+/// The cells of one rendered row (`rows_as_text` joins them with ` | `;
+/// the fuzzer's strings never contain `|`).
+fn cells(row: &str) -> Vec<&str> {
+    row.split(" | ").collect()
+}
+
+/// Whether two renderings of a float aggregate are equal within the
+/// tolerances (NaN equals NaN; infinities must match exactly).
+fn approximately_equal(expected: &str, actual: &str) -> bool {
+    if expected == actual {
+        return true;
+    }
+    match (expected.parse::<f64>(), actual.parse::<f64>()) {
+        (Ok(expected), Ok(actual)) => {
+            if expected.is_nan() || actual.is_nan() {
+                return expected.is_nan() && actual.is_nan();
+            }
+            if expected.is_infinite() || actual.is_infinite() {
+                return expected == actual;
+            }
+            let gap = (expected - actual).abs();
+            gap <= FLOAT_ABSOLUTE_TOLERANCE
+                || gap <= FLOAT_RELATIVE_TOLERANCE * expected.abs().max(actual.abs())
+        }
+        _ => false,
+    }
+}
+
+/// The rows of a result, in the order they are compared in: as returned
+/// when the query orders them totally, otherwise sorted by their exact
+/// cells first (so that a float aggregate's last bits cannot reorder rows).
+fn comparable_rows(batches: &[RecordBatch], query: &FuzzQuery) -> Result<Vec<String>> {
+    let mut rows = rows_as_text(batches, !query.ordered)?;
+    if !query.ordered && !query.approximate_columns.is_empty() {
+        let exact_key = |row: &String| -> String {
+            cells(row)
+                .iter()
+                .enumerate()
+                .filter(|(index, _)| !query.approximate_columns.contains(index))
+                .map(|(_, cell)| *cell)
+                .collect::<Vec<_>>()
+                .join(" | ")
+        };
+        rows.sort_by_cached_key(exact_key);
+    }
+    Ok(rows)
+}
+
+fn rows_equal(expected: &str, actual: &str, query: &FuzzQuery) -> bool {
+    if expected == actual {
+        return true;
+    }
+    if query.approximate_columns.is_empty() {
+        return false;
+    }
+    let expected = cells(expected);
+    let actual = cells(actual);
+    expected.len() == actual.len()
+        && expected
+            .iter()
+            .zip(&actual)
+            .enumerate()
+            .all(|(index, (expected, actual))| {
+                if query.approximate_columns.contains(&index) {
+                    approximately_equal(expected, actual)
+                } else {
+                    expected == actual
+                }
+            })
+}
+
+/// None if the results agree, otherwise a description of the first
+/// difference.
+fn difference(
+    expected: &[RecordBatch],
+    actual: &[RecordBatch],
+    query: &FuzzQuery,
+) -> Result<Option<String>> {
+    let expected_rows = comparable_rows(expected, query)?;
+    let actual_rows = comparable_rows(actual, query)?;
+    let first = expected_rows
+        .iter()
+        .zip(&actual_rows)
+        .position(|(expected, actual)| !rows_equal(expected, actual, query));
+    let first = match first {
+        Some(index) => index,
+        None if expected_rows.len() == actual_rows.len() => return Ok(None),
+        None => expected_rows.len().min(actual_rows.len()),
+    };
+    let mut text = format!(
+        "  plain DataFusion returned {} row(s), Sieve {} ({}); first difference at row {first}:\n",
+        expected_rows.len(),
+        actual_rows.len(),
+        if query.ordered { "in order" } else { "sorted" }
+    );
+    let show = |rows: &[String]| -> String {
+        let shown: Vec<&str> = rows
+            .iter()
+            .skip(first)
+            .take(DIFFERENCE_ROWS_SHOWN)
+            .map(String::as_str)
+            .collect();
+        if shown.is_empty() {
+            "      (no more rows)".into()
+        } else {
+            shown
+                .iter()
+                .map(|row| format!("      {row}"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        }
+    };
+    let _ = writeln!(text, "    expected:\n{}", show(&expected_rows));
+    let _ = writeln!(text, "    actual:\n{}", show(&actual_rows));
+    // For a multiset comparison, the rows only one side has say more than
+    // the first position that differs.
+    if !query.ordered {
+        let (missing, extra) = multiset_difference(&expected_rows, &actual_rows);
+        let _ = writeln!(
+            text,
+            "    {} row(s) only in plain DataFusion, {} only in Sieve (exact text){}",
+            missing.len(),
+            extra.len(),
+            if missing.is_empty() && extra.is_empty() {
+                ""
+            } else {
+                ", e.g.:"
+            }
+        );
+        for row in missing.iter().take(DIFFERENCE_ROWS_SHOWN) {
+            let _ = writeln!(text, "      - {row}");
+        }
+        for row in extra.iter().take(DIFFERENCE_ROWS_SHOWN) {
+            let _ = writeln!(text, "      + {row}");
+        }
+    }
+    Ok(Some(text))
+}
+
+/// Rows of `expected` not matched in `actual`, and the other way round,
+/// both sorted.
+fn multiset_difference<'rows>(
+    expected: &'rows [String],
+    actual: &'rows [String],
+) -> (Vec<&'rows str>, Vec<&'rows str>) {
+    let mut counts: BTreeMap<&str, i64> = BTreeMap::new();
+    for row in expected {
+        *counts.entry(row.as_str()).or_insert(0) += 1;
+    }
+    for row in actual {
+        *counts.entry(row.as_str()).or_insert(0) -= 1;
+    }
+    let mut missing = Vec::new();
+    let mut extra = Vec::new();
+    for (row, count) in counts {
+        for _ in 0..count.max(0) {
+            missing.push(row);
+        }
+        for _ in 0..(-count).max(0) {
+            extra.push(row);
+        }
+    }
+    (missing, extra)
+}
+
+/// Turn a run's mismatches into an error, for the command's exit status.
+pub fn mismatches_as_error(report: &FuzzReport) -> Result<()> {
+    if report.mismatches.is_empty() {
+        Ok(())
+    } else {
+        Err(DataFusionError::Execution(format!(
+            "{} mismatch(es) between Sieve and plain DataFusion",
+            report.mismatches.len()
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_same_seed_gives_the_same_tables_and_queries() {
+        let generate = || {
+            let schema = FuzzSchema::generate(11).expect("tables");
+            let queries: Vec<String> = (0..30)
+                .map(|index| QueryGenerator::new(&schema, index).query().sql)
+                .collect();
+            (schema.describe(), schema.tables[0].batch.clone(), queries)
+        };
+        let (first_tables, first_batch, first_queries) = generate();
+        let (second_tables, second_batch, second_queries) = generate();
+        assert_eq!(first_tables, second_tables);
+        assert_eq!(first_batch, second_batch);
+        assert_eq!(first_queries, second_queries);
+    }
+
+    #[test]
+    fn float_aggregates_compare_within_the_tolerance() {
+        assert!(approximately_equal("0.30000000000000004", "0.3"));
+        assert!(approximately_equal("NaN", "NaN"));
+        assert!(approximately_equal("1e-9", "-1e-9"));
+        assert!(!approximately_equal("inf", "1e308"));
+        assert!(!approximately_equal("1000000", "1000001"));
+        assert!(!approximately_equal("NULL", "0"));
+    }
+}
