@@ -188,6 +188,14 @@ impl ExecutionPlan for BuildKeysExec {
         }))
     }
 
+    /// After a reset (a recursive CTE's term, run again) the join above has
+    /// no dynamic filter and its probe scan no join filter (see
+    /// `SieveScanExec::reset_state`): nothing would read the keys, so the
+    /// tap removes itself.
+    fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
+        Ok(Arc::clone(&self.input))
+    }
+
     fn child_stats_requests(&self, partition: Option<usize>) -> Vec<ChildStats> {
         vec![ChildStats::At(partition)]
     }

@@ -714,6 +714,38 @@ impl ExecutionPlan for SieveScanExec {
         Some(self.metrics.clone_inner())
     }
 
+    /// A fresh scan for another execution of the same plan (DataFusion runs
+    /// a recursive CTE's term again for every iteration, resetting it
+    /// first): join filters, early starts and parallelism gauges are
+    /// resolved afresh; metrics keep adding up on the same set. A reset
+    /// `HashJoinExec` has no dynamic filter any more
+    /// (`HashJoinExecBuilder::reset_state`), so the filters this scan would
+    /// wait for would never complete: they are dropped, and the scan runs
+    /// without them instead of waiting `sieve.join_filter_wait_ms` for each.
+    fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
+        let join_filters = self
+            .join_filters
+            .iter()
+            .filter(|slot| slot.source.is_none())
+            .cloned()
+            .collect();
+        let mut join_notes = self.join_notes.clone();
+        for slot in &self.join_filters {
+            if let Some(source) = &slot.source {
+                join_notes.push(format!(
+                    "join filter from {source}: none (the plan was reset to run again, \
+                     and its join with it)"
+                ));
+            }
+        }
+        Ok(Arc::new(Self {
+            join_filters,
+            join_notes,
+            metrics: self.metrics.clone(),
+            ..self.copy()
+        }))
+    }
+
     fn partition_statistics(&self, partition: Option<usize>) -> Result<Arc<Statistics>> {
         if self.aggregate.is_some() {
             return Ok(Arc::new(Statistics::new_unknown(&self.schema())));

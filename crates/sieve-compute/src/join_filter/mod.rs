@@ -4,9 +4,12 @@
 //! DataFusion's `HashJoinExec` publishes a dynamic filter once its build side
 //! is complete: `key >= min AND key <= max AND key IN (...)` (or a lookup into
 //! its hash table, which cannot leave the process), wrapped in a `CASE` over
-//! hash partitions when the join is partitioned. The probe side's
-//! [`crate::SieveScanExec`] waits for that filter, then summarises it here into
-//! what travels in the fragment:
+//! hash partitions when the join is partitioned, and in `key IS NULL OR (...)`
+//! where NULL keys must reach the join (NULL equals NULL, null-aware anti
+//! joins). The probe side's [`crate::SieveScanExec`] waits for that filter,
+//! then derives from it ([`implied`](mod@implied), by structural induction
+//! over DataFusion's expression, whatever its shape) what each probe column
+//! must satisfy, and ships that in the fragment:
 //!
 //! - **range**: `key >= min AND key <= max` per key column; the storage
 //!   node's page index prunes pages with it;
@@ -18,11 +21,19 @@
 //!   `sieve.join_filter_bitmap_bytes`, or twice the Bloom filter's bytes:
 //!   exact, and cheaper to probe than a hash set or a Bloom filter;
 //! - **bloom**: a [`BloomFilterExpr`] otherwise (up to
-//!   `sieve.join_filter_keys_max` keys), sized for `sieve.join_filter_bloom_fpp`.
+//!   `sieve.join_filter_keys_max` keys), sized for `sieve.join_filter_bloom_fpp`;
+//! - **NULL keys kept**: `key IS NULL OR (...)` where the join's filter lets
+//!   NULL keys through.
 //!
-//! Every part is implied by the join's own filter, so applying it before the
-//! join removes only rows the join would drop: the join still does the exact
-//! matching.
+//! The key values of lists, bitmaps and Bloom filters come from the join's
+//! collected build keys ([`crate::build_keys`]), which stand in only for the
+//! join's own membership test (the IN list or hash-table lookup over exactly
+//! its probe keys). Every part is implied by the join's own filter, so
+//! applying it before the join removes only rows the join would drop: the
+//! join still does the exact matching. A part of the filter whose shape is
+//! not understood yields nothing, and EXPLAIN names it.
+
+mod implied;
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -39,13 +50,16 @@ use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::common::{Result, ScalarValue};
 use datafusion::logical_expr::Operator;
 use datafusion::physical_expr::expressions::{
-    lit, BinaryExpr, CaseExpr, Column, DynamicFilterPhysicalExpr, InListExpr, Literal,
+    lit, BinaryExpr, Column, DynamicFilterPhysicalExpr, InListExpr, IsNullExpr,
 };
-use datafusion::physical_expr::{split_conjunction, PhysicalExpr};
+use datafusion::physical_expr::{conjunction as physical_conjunction, PhysicalExpr};
 use datafusion::physical_expr_common::physical_expr::snapshot_physical_expr;
 use sieve_fragment::{BloomFilterExpr, KeyBitmapExpr, KEY_BITMAP_BYTES_MAX};
 
 use crate::build_keys::{BuildKeys, CollectedKeys};
+#[cfg(test)]
+use implied::ColumnFact;
+use implied::{implied, Implied, JoinKeys, Members, Values};
 
 /// A dynamic filter a scan received from above.
 #[derive(Debug, Clone)]
@@ -78,17 +92,6 @@ pub struct JoinFilterSettings {
     /// Upper bound on waiting for a join's build side, after which the scan
     /// goes ahead with whatever the filter holds then.
     pub wait: Duration,
-}
-
-/// What a filter says about the probe keys, by scan output column.
-#[derive(Debug, Clone, Default)]
-struct KeySummary {
-    /// Nothing can match (the build side is empty).
-    nothing: bool,
-    /// Inclusive bounds per column.
-    bounds: Vec<(usize, ScalarValue, ScalarValue)>,
-    /// The possible values of columns (with duplicates).
-    members: Vec<(usize, ArrayRef)>,
 }
 
 /// The probe scan's output columns, as join filters need them.
@@ -144,30 +147,19 @@ pub(crate) async fn resolve(
                 .await
                 .is_ok();
         }
-        let snapshot = snapshot_physical_expr(Arc::clone(&slot.filter))?;
-        let mut summary = summarize(&snapshot);
+        // The collected build keys stand in for the join's membership test
+        // only where the slot is that one join's filter, complete: then every
+        // probe-key membership test in it is over a subset of those keys.
+        let mut build_keys: Option<Vec<Vec<ArrayRef>>> = None;
         let mut collected_note = None;
-        if let (Some(keys), Some(summary), true) = (&slot.keys, &mut summary, complete) {
-            // The join's probe keys, in join key order, as scan columns.
-            let probe_keys: Vec<Option<usize>> = dynamic
-                .first()
-                .map(|filter| filter.children().into_iter().map(column).collect())
-                .unwrap_or_default();
+        let own_filter = dynamic.len() == 1
+            && slot
+                .filter
+                .downcast_ref::<DynamicFilterPhysicalExpr>()
+                .is_some();
+        if let (Some(keys), true, true) = (&slot.keys, complete, own_filter) {
             match keys.collected() {
-                CollectedKeys::Keys(columns) => {
-                    let mut members = Vec::new();
-                    for (probe, arrays) in probe_keys.iter().zip(columns) {
-                        let (Some(index), false) = (probe, arrays.is_empty()) else {
-                            continue;
-                        };
-                        let arrays: Vec<&dyn Array> =
-                            arrays.iter().map(|array| array.as_ref()).collect();
-                        members.push((*index, concat(&arrays)?));
-                    }
-                    if !members.is_empty() {
-                        summary.members = members;
-                    }
-                }
+                CollectedKeys::Keys(columns) => build_keys = Some(columns),
                 CollectedKeys::TooMany(rows) => {
                     collected_note = Some(format!(
                         "{rows} build rows, above what is collected: no membership test"
@@ -176,10 +168,19 @@ pub(crate) async fn resolve(
                 CollectedKeys::Incomplete => {}
             }
         }
-        let (parts, description) = match summary {
-            Some(summary) => build(&summary, settings, probe)?,
-            None => (vec![], "not expressible".to_string()),
-        };
+        let probe_keys: Vec<Arc<dyn PhysicalExpr>> = dynamic
+            .first()
+            .map(|filter| filter.children().into_iter().cloned().collect())
+            .unwrap_or_default();
+        let snapshot = snapshot_physical_expr(Arc::clone(&slot.filter))?;
+        let implied = implied(
+            &snapshot,
+            JoinKeys {
+                probe: &probe_keys,
+                collected: build_keys.is_some(),
+            },
+        );
+        let (parts, description) = build(&implied, build_keys.as_deref(), settings, probe)?;
         let description = match collected_note {
             Some(note) => format!("{description} + {note}"),
             None => description,
@@ -198,129 +199,200 @@ pub(crate) async fn resolve(
     Ok((conjuncts, descriptions))
 }
 
-fn literal(expr: &Arc<dyn PhysicalExpr>) -> Option<&ScalarValue> {
-    expr.downcast_ref::<Literal>().map(Literal::value)
-}
-
-fn column(expr: &Arc<dyn PhysicalExpr>) -> Option<usize> {
-    expr.downcast_ref::<Column>().map(Column::index)
-}
-
-/// What `expr` (a snapshot of a join's dynamic filter) implies about single
-/// columns, or `None` if nothing usable.
-fn summarize(expr: &Arc<dyn PhysicalExpr>) -> Option<KeySummary> {
-    if let Some(case) = expr.downcast_ref::<CaseExpr>() {
-        return summarize_case(case);
+/// The conjuncts over the table schema that `implied` allows (see
+/// [`implied`](mod@implied)): per column a range, a membership test and, where
+/// NULLs pass, `column IS NULL OR (...)`. `build_keys` are the join's
+/// collected build keys, per key column.
+fn build(
+    implied: &Implied,
+    build_keys: Option<&[Vec<ArrayRef>]>,
+    settings: &JoinFilterSettings,
+    probe: ProbeColumns<'_>,
+) -> Result<(Vec<Arc<dyn PhysicalExpr>>, String)> {
+    let ProbeColumns {
+        shipped,
+        table_schema,
+        distinct_bounds,
+    } = probe;
+    let table_column = |index: usize| -> Option<Arc<dyn PhysicalExpr>> {
+        let table_index = *shipped.get(index)?;
+        Some(Arc::new(Column::new(
+            table_schema.field(table_index).name(),
+            table_index,
+        )))
+    };
+    if implied.nothing {
+        return Ok((vec![lit(false)], "empty build side: nothing matches".into()));
     }
-    let mut summary = KeySummary::default();
-    let mut lower: Vec<(usize, ScalarValue)> = Vec::new();
-    let mut upper: Vec<(usize, ScalarValue)> = Vec::new();
-    for conjunct in split_conjunction(expr) {
-        if let Some(value) = literal(conjunct) {
-            if value == &ScalarValue::Boolean(Some(false)) {
-                summary.nothing = true;
+    let mut conjuncts: Vec<Arc<dyn PhysicalExpr>> = Vec::new();
+    let mut parts = Vec::new();
+    for (&index, fact) in &implied.columns {
+        let Some(key) = table_column(index) else {
+            continue;
+        };
+        let (low, high, members) = match &fact.values {
+            Values::Empty => {
+                // Only NULL keys can match (`nothing` covers the case where
+                // not even they can).
+                conjuncts.push(Arc::new(IsNullExpr::new(key)));
+                parts.push("NULL keys only".to_string());
+                continue;
             }
-        } else if let Some(binary) = conjunct.downcast_ref::<BinaryExpr>() {
-            if let (Some(index), Some(value)) = (column(binary.left()), literal(binary.right())) {
-                match binary.op() {
-                    Operator::GtEq => lower.push((index, value.clone())),
-                    Operator::LtEq => upper.push((index, value.clone())),
-                    _ => {}
+            Values::Within { low, high, members } => (low, high, members),
+        };
+        let mut column_conjuncts: Vec<Arc<dyn PhysicalExpr>> = Vec::new();
+        let mut column_parts = Vec::new();
+        if let Some(low) = low {
+            column_conjuncts.push(Arc::new(BinaryExpr::new(
+                Arc::clone(&key),
+                Operator::GtEq,
+                lit(low.clone()),
+            )));
+        }
+        if let Some(high) = high {
+            column_conjuncts.push(Arc::new(BinaryExpr::new(
+                Arc::clone(&key),
+                Operator::LtEq,
+                lit(high.clone()),
+            )));
+        }
+        match (low, high) {
+            (Some(low), Some(high)) => column_parts.push(format!("range [{low}, {high}]")),
+            (Some(low), None) => column_parts.push(format!("range [{low}, ...]")),
+            (None, Some(high)) => column_parts.push(format!("range [..., {high}]")),
+            (None, None) => {}
+        }
+        let members = match members {
+            Some(Members::Listed(values)) => Some(Arc::clone(values)),
+            Some(Members::BuildKeys(position)) => {
+                match build_keys.and_then(|keys| keys.get(*position)) {
+                    Some(arrays) if !arrays.is_empty() => {
+                        let arrays: Vec<&dyn Array> =
+                            arrays.iter().map(|array| array.as_ref()).collect();
+                        Some(concat(&arrays)?)
+                    }
+                    _ => None,
                 }
             }
-        } else if let Some(in_list) = conjunct.downcast_ref::<InListExpr>() {
-            if let Some(index) = column(in_list.expr()).filter(|_| !in_list.negated()) {
-                let values: Option<Vec<ScalarValue>> = in_list
-                    .list()
-                    .iter()
-                    .map(|item| literal(item).cloned())
-                    .collect();
-                if let Some(array) =
-                    values.and_then(|values| ScalarValue::iter_to_array(values).ok())
-                {
-                    summary.members.push((index, array));
-                }
-            }
-        } else if let Some(case) = conjunct.downcast_ref::<CaseExpr>() {
-            if let Some(inner) = summarize_case(case) {
-                summary.nothing |= inner.nothing;
-                summary.bounds.extend(inner.bounds);
-                summary.members.extend(inner.members);
+            None => None,
+        };
+        if let Some(members) = members {
+            let bounds = low.as_ref().zip(high.as_ref());
+            let bound = distinct_bounds.get(index).copied().flatten();
+            if let Some(test) = membership(
+                &key,
+                &members,
+                bounds,
+                bound,
+                settings,
+                table_schema,
+                &mut column_parts,
+            )? {
+                column_conjuncts.push(test);
             }
         }
-    }
-    for (index, low) in lower {
-        if let Some((_, high)) = upper.iter().find(|(other, _)| *other == index) {
-            summary.bounds.push((index, low, high.clone()));
-        }
-    }
-    Some(summary)
-}
-
-/// A partitioned join's filter: `CASE hash(key) % n WHEN i THEN filter_i ...
-/// ELSE false END`. Each row passes at most its own partition's filter, so
-/// the union of the branches (widest bounds, all members) is implied.
-fn summarize_case(case: &CaseExpr) -> Option<KeySummary> {
-    match case.else_expr().map(literal) {
-        None | Some(Some(ScalarValue::Boolean(Some(false)))) => {}
-        _ => return None,
-    }
-    let mut branches = Vec::new();
-    for (_, then) in case.when_then_expr() {
-        if literal(then) == Some(&ScalarValue::Boolean(Some(false))) {
+        if column_conjuncts.is_empty() {
             continue;
         }
-        let summary = summarize(then)?;
-        if !summary.nothing {
-            branches.push(summary);
+        if fact.nulls_pass {
+            // `key IS NULL OR (...)`: NULL keys can match (NULL equals NULL,
+            // or a null-aware anti join must see them).
+            let any = physical_conjunction(column_conjuncts);
+            conjuncts.push(Arc::new(BinaryExpr::new(
+                Arc::new(IsNullExpr::new(key)),
+                Operator::Or,
+                any,
+            )));
+            column_parts.push("NULL keys kept".to_string());
+        } else {
+            conjuncts.extend(column_conjuncts);
         }
+        parts.extend(column_parts);
     }
-    let Some(first) = branches.first() else {
-        return Some(KeySummary {
-            nothing: true,
-            ..KeySummary::default()
-        });
-    };
-    let mut merged = KeySummary::default();
-    for (index, low, high) in &first.bounds {
-        let (mut low, mut high) = (low.clone(), high.clone());
-        let mut everywhere = true;
-        for branch in &branches[1..] {
-            match branch.bounds.iter().find(|(other, ..)| other == index) {
-                Some((_, other_low, other_high)) => {
-                    if other_low.partial_cmp(&low).is_some_and(|o| o.is_lt()) {
-                        low = other_low.clone();
-                    }
-                    if other_high.partial_cmp(&high).is_some_and(|o| o.is_gt()) {
-                        high = other_high.clone();
-                    }
-                }
-                None => everywhere = false,
-            }
-        }
-        if everywhere {
-            merged.bounds.push((*index, low, high));
-        }
+    if parts.is_empty() {
+        parts.push("nothing usable (hash-table lookup only)".into());
     }
-    for (index, _) in &first.members {
-        let arrays: Option<Vec<&ArrayRef>> = branches
-            .iter()
-            .map(|branch| {
-                branch
-                    .members
-                    .iter()
-                    .find(|(other, _)| other == index)
-                    .map(|(_, array)| array)
-            })
-            .collect();
-        if let Some(arrays) = arrays {
-            let arrays: Vec<&dyn Array> = arrays.iter().map(|array| array.as_ref()).collect();
-            if let Ok(all) = concat(&arrays) {
-                merged.members.push((*index, all));
-            }
-        }
+    if !implied.not_understood.is_empty() {
+        parts.push(format!(
+            "not understood, not pushed: {}",
+            implied.not_understood.join("; ")
+        ));
     }
-    Some(merged)
+    Ok((conjuncts, parts.join(" + ")))
+}
+
+/// The membership test for `members` on `key`: an IN list, a key bitmap or
+/// a Bloom filter, or none where it cannot filter (`parts` says which).
+fn membership(
+    key: &Arc<dyn PhysicalExpr>,
+    members: &ArrayRef,
+    bounds: Option<(&ScalarValue, &ScalarValue)>,
+    distinct_bound: Option<u64>,
+    settings: &JoinFilterSettings,
+    table_schema: &Schema,
+    parts: &mut Vec<String>,
+) -> Result<Option<Arc<dyn PhysicalExpr>>> {
+    let members = distinct(members)?;
+    let keys = members.len();
+    let dense = bounds.is_some_and(|(low, high)| integer_span(low, high) == Some(keys as u64));
+    if dense {
+        // Every integer in the range is a key: the range says it all.
+        parts.push(format!("dense ({keys} keys = the range)"));
+        return Ok(None);
+    }
+    if let Some(bound) =
+        distinct_bound.filter(|&bound| keys as f64 >= UNSELECTIVE_KEYS_RATIO * bound as f64)
+    {
+        // About every value the probe column takes is a key: a membership
+        // test would cost the storage nodes and keep nearly every row.
+        parts.push(format!(
+            "unselective ({keys} keys of at most {bound} values): no membership test"
+        ));
+        return Ok(None);
+    }
+    if keys > settings.keys_max && keys > settings.list_max {
+        parts.push(format!(
+            "{keys} keys, above sieve.join_filter_keys_max: no membership test"
+        ));
+        return Ok(None);
+    }
+    let key = Arc::clone(key);
+    let data_type = key.data_type(table_schema)?;
+    let bloom_bytes = BloomFilterExpr::bytes_for(keys as u64, settings.bloom_fpp);
+    let bitmap_budget = settings
+        .bitmap_bytes
+        .max(2 * bloom_bytes)
+        .min(KEY_BITMAP_BYTES_MAX);
+    let bitmap_fits = KeyBitmapExpr::bytes_for(&members, &data_type)?
+        .is_some_and(|bytes| settings.bitmap_bytes > 0 && bytes <= bitmap_budget);
+    if keys <= settings.list_max && (keys <= LIST_PREFERRED_MAX || !bitmap_fits) {
+        let list = (0..keys)
+            .map(|row| Ok(lit(ScalarValue::try_from_array(&members, row)?)))
+            .collect::<Result<Vec<_>>>()?;
+        parts.push(format!("list ({keys} keys)"));
+        return Ok(Some(Arc::new(InListExpr::try_new(
+            key,
+            list,
+            false,
+            table_schema,
+        )?)));
+    }
+    if bitmap_fits {
+        let bitmap = KeyBitmapExpr::try_new(key, data_type, &members)?;
+        parts.push(format!(
+            "bitmap ({keys} keys over {} values, {} bytes)",
+            bitmap.bits(),
+            bitmap.byte_len()
+        ));
+        return Ok(Some(Arc::new(bitmap)));
+    }
+    let bloom = BloomFilterExpr::try_new(key, data_type, &members, settings.bloom_fpp)?;
+    parts.push(format!(
+        "bloom ({keys} keys, fpp {}, {} bytes)",
+        settings.bloom_fpp,
+        bloom.bitset().len()
+    ));
+    Ok(Some(Arc::new(bloom)))
 }
 
 /// Number of integers in `[low, high]`, for integer scalars.
@@ -383,120 +455,34 @@ fn distinct(array: &ArrayRef) -> Result<ArrayRef> {
     Ok(take(array, &arrow::array::UInt32Array::from(keep), None)?)
 }
 
-fn build(
-    summary: &KeySummary,
-    settings: &JoinFilterSettings,
-    probe: ProbeColumns<'_>,
-) -> Result<(Vec<Arc<dyn PhysicalExpr>>, String)> {
-    let ProbeColumns {
-        shipped,
-        table_schema,
-        distinct_bounds,
-    } = probe;
-    let table_column = |index: usize| -> Option<Arc<dyn PhysicalExpr>> {
-        let table_index = *shipped.get(index)?;
-        Some(Arc::new(Column::new(
-            table_schema.field(table_index).name(),
-            table_index,
-        )))
-    };
-    if summary.nothing {
-        return Ok((vec![lit(false)], "empty build side: nothing matches".into()));
-    }
-    let mut conjuncts: Vec<Arc<dyn PhysicalExpr>> = Vec::new();
-    let mut parts = Vec::new();
-    for (index, low, high) in &summary.bounds {
-        let Some(key) = table_column(*index) else {
-            continue;
-        };
-        conjuncts.push(Arc::new(BinaryExpr::new(
-            Arc::clone(&key),
-            Operator::GtEq,
-            lit(low.clone()),
-        )));
-        conjuncts.push(Arc::new(BinaryExpr::new(
-            key,
-            Operator::LtEq,
-            lit(high.clone()),
-        )));
-        parts.push(format!("range [{low}, {high}]"));
-    }
-    for (index, members) in &summary.members {
-        if let Some(key) = table_column(*index) {
-            let members = distinct(members)?;
-            let keys = members.len();
-            let dense = summary.bounds.iter().any(|(other, low, high)| {
-                other == index && integer_span(low, high) == Some(keys as u64)
-            });
-            let bound = distinct_bounds.get(*index).copied().flatten();
-            if dense {
-                // Every integer in the range is a key: the range says it all.
-                parts.push(format!("dense ({keys} keys = the range)"));
-            } else if let Some(bound) =
-                bound.filter(|&bound| keys as f64 >= UNSELECTIVE_KEYS_RATIO * bound as f64)
-            {
-                // About every value the probe column takes is a key: a
-                // membership test would cost the storage nodes and keep
-                // nearly every row.
-                parts.push(format!(
-                    "unselective ({keys} keys of at most {bound} values): no membership test"
-                ));
-            } else if keys <= settings.keys_max || keys <= settings.list_max {
-                let data_type = key.data_type(table_schema)?;
-                let bloom_bytes = BloomFilterExpr::bytes_for(keys as u64, settings.bloom_fpp);
-                let bitmap_budget = settings
-                    .bitmap_bytes
-                    .max(2 * bloom_bytes)
-                    .min(KEY_BITMAP_BYTES_MAX);
-                let bitmap_fits = KeyBitmapExpr::bytes_for(&members, &data_type)?
-                    .is_some_and(|bytes| settings.bitmap_bytes > 0 && bytes <= bitmap_budget);
-                if keys <= settings.list_max && (keys <= LIST_PREFERRED_MAX || !bitmap_fits) {
-                    let list = (0..keys)
-                        .map(|row| Ok(lit(ScalarValue::try_from_array(&members, row)?)))
-                        .collect::<Result<Vec<_>>>()?;
-                    conjuncts.push(Arc::new(InListExpr::try_new(
-                        key,
-                        list,
-                        false,
-                        table_schema,
-                    )?));
-                    parts.push(format!("list ({keys} keys)"));
-                } else if bitmap_fits {
-                    let bitmap = KeyBitmapExpr::try_new(key, data_type, &members)?;
-                    parts.push(format!(
-                        "bitmap ({keys} keys over {} values, {} bytes)",
-                        bitmap.bits(),
-                        bitmap.byte_len()
-                    ));
-                    conjuncts.push(Arc::new(bitmap));
-                } else {
-                    let bloom =
-                        BloomFilterExpr::try_new(key, data_type, &members, settings.bloom_fpp)?;
-                    parts.push(format!(
-                        "bloom ({keys} keys, fpp {}, {} bytes)",
-                        settings.bloom_fpp,
-                        bloom.bitset().len()
-                    ));
-                    conjuncts.push(Arc::new(bloom));
-                }
-            } else {
-                parts.push(format!(
-                    "{keys} keys, above sieve.join_filter_keys_max: no membership test"
-                ));
-            }
-        }
-    }
-    if parts.is_empty() {
-        parts.push("nothing usable (hash-table lookup only)".into());
-    }
-    Ok((conjuncts, parts.join(" + ")))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use arrow::array::Int64Array;
     use arrow::datatypes::{DataType, Field};
+    use datafusion::physical_expr::expressions::CaseExpr;
+
+    const NO_JOIN: JoinKeys<'static> = JoinKeys {
+        probe: &[],
+        collected: false,
+    };
+
+    /// Facts saying column 0 is among `keys`.
+    fn listed(keys: Vec<i64>) -> Implied {
+        let mut implied = Implied::default();
+        implied.columns.insert(
+            0,
+            ColumnFact {
+                values: Values::Within {
+                    low: None,
+                    high: None,
+                    members: Some(Members::Listed(Arc::new(Int64Array::from(keys)))),
+                },
+                nulls_pass: false,
+            },
+        );
+        implied
+    }
 
     fn settings() -> JoinFilterSettings {
         JoinFilterSettings {
@@ -526,10 +512,11 @@ mod tests {
             InListExpr::try_new_from_array(Arc::clone(&key), members, false, &schema).unwrap(),
         );
         let filter: Arc<dyn PhysicalExpr> = Arc::new(BinaryExpr::new(bounds, Operator::And, list));
-        let summary = summarize(&filter).unwrap();
+        let summary = implied(&filter, NO_JOIN);
         // Scan output column 0 is table column 1.
         let (conjuncts, description) = build(
             &summary,
+            None,
             &settings(),
             ProbeColumns {
                 shipped: &[1],
@@ -577,9 +564,10 @@ mod tests {
             )
             .unwrap(),
         );
-        let summary = summarize(&case).unwrap();
+        let summary = implied(&case, NO_JOIN);
         let (conjuncts, description) = build(
             &summary,
+            None,
             &settings(),
             ProbeColumns {
                 shipped: &[0],
@@ -624,12 +612,9 @@ mod tests {
             bitmap_bytes: 65536,
             ..blooms.clone()
         };
-        let summary = |keys: Vec<i64>| KeySummary {
-            members: vec![(0, Arc::new(Int64Array::from(keys)) as ArrayRef)],
-            ..KeySummary::default()
-        };
+        let summary = |keys: Vec<i64>| listed(keys);
         let narrow = summary((0..4000).map(|k| k * 7 + 1000).collect());
-        let (conjuncts, description) = build(&narrow, &with_bitmaps, probe).unwrap();
+        let (conjuncts, description) = build(&narrow, None, &with_bitmaps, probe).unwrap();
         assert_eq!(
             description, "bitmap (4000 keys over 27994 values, 3504 bytes)",
             "{description}"
@@ -651,12 +636,12 @@ mod tests {
         assert!(matched.value(0) && !matched.value(1) && matched.is_null(2));
         assert!(matched.value(3) && !matched.value(4));
 
-        let (conjuncts, description) = build(&narrow, &blooms, probe).unwrap();
+        let (conjuncts, description) = build(&narrow, None, &blooms, probe).unwrap();
         assert!(description.starts_with("bloom (4000 keys"), "{description}");
         assert!(conjuncts[0].downcast_ref::<BloomFilterExpr>().is_some());
 
         let wide = summary((0..4000).map(|k| k * 1_000_000).collect());
-        let (_, description) = build(&wide, &with_bitmaps, probe).unwrap();
+        let (_, description) = build(&wide, None, &with_bitmaps, probe).unwrap();
         assert!(description.starts_with("bloom (4000 keys"), "{description}");
     }
 
@@ -676,12 +661,9 @@ mod tests {
             bitmap_bytes: 65536,
             ..settings()
         };
-        let summary = |keys: Vec<i64>| KeySummary {
-            members: vec![(0, Arc::new(Int64Array::from(keys)) as ArrayRef)],
-            ..KeySummary::default()
-        };
+        let summary = |keys: Vec<i64>| listed(keys);
         let kind = |keys: Vec<i64>, settings: &JoinFilterSettings| {
-            let (conjuncts, description) = build(&summary(keys), settings, probe).unwrap();
+            let (conjuncts, description) = build(&summary(keys), None, settings, probe).unwrap();
             assert_eq!(conjuncts.len(), 1, "{description}");
             description
         };
@@ -697,17 +679,5 @@ mod tests {
         };
         let list = kind((0..396).map(|k| k * 25 + 33).collect(), &no_bitmaps);
         assert_eq!(list, "list (396 keys)");
-    }
-
-    #[test]
-    fn an_unknown_else_branch_gives_nothing() {
-        let key: Arc<dyn PhysicalExpr> = Arc::new(Column::new("k", 0));
-        let case = CaseExpr::try_new(
-            Some(Arc::clone(&key)),
-            vec![(lit(0i64), lit(true))],
-            Some(lit(true)),
-        )
-        .unwrap();
-        assert!(summarize_case(&case).is_none());
     }
 }
