@@ -34,11 +34,7 @@ async fn sieve_agrees_with_plain_datafusion_on_random_queries() {
         "more than 5% of the generated queries fail to plan in plain DataFusion:\n{}",
         report.summary()
     );
-    let reproductions: Vec<String> = report
-        .mismatches
-        .iter()
-        .map(ToString::to_string)
-        .collect();
+    let reproductions: Vec<String> = report.mismatches.iter().map(ToString::to_string).collect();
     assert!(
         report.mismatches.is_empty(),
         "{} mismatch(es):\n{}\n{}",

@@ -67,8 +67,7 @@ use crate::compare::{reference_context_for, rows_as_text};
 pub use queries::{FuzzQuery, QueryGenerator, QueryShape, JOIN_ROWS_MAX};
 pub use rng::SeededRandom;
 pub use tables::{
-    ColumnSpec, FuzzSchema, FuzzTable, KeyDistribution, TableSpec, KEY_NAMES, NODES,
-    TABLE_ROWS_MAX,
+    ColumnSpec, FuzzSchema, FuzzTable, KeyDistribution, TableSpec, KEY_NAMES, NODES, TABLE_ROWS_MAX,
 };
 
 /// Relative tolerance for float aggregates: summing up to 3,000 values in
@@ -86,10 +85,14 @@ pub const FLOAT_ABSOLUTE_TOLERANCE: f64 = 1e-6;
 /// filter that never comes, say), which is a mismatch, not a reason to hang.
 pub const QUERY_TIMEOUT_MS: u64 = 60_000;
 
+/// Characters of an error kept in the report's examples.
+const ERROR_CHARACTERS_SHOWN: usize = 400;
+
 /// Rows shown on each side of a mismatch, from the first difference on.
 const DIFFERENCE_ROWS_SHOWN: usize = 5;
 
-/// Planning failures of the reference kept as examples in the report.
+/// Planning failures (and execution errors) of the reference kept as
+/// examples in the report.
 const PLAN_FAILURE_EXAMPLES_MAX: usize = 10;
 
 /// How Sieve runs a query; each mode is compared with plain DataFusion.
@@ -266,6 +269,8 @@ pub struct FuzzReport {
     /// Queries that failed while running in the reference; each mode must
     /// fail too.
     pub reference_execution_errors: usize,
+    /// Some of them, with the error.
+    pub reference_execution_error_examples: Vec<(String, String)>,
     /// Comparisons made (queries times modes).
     pub comparisons: usize,
     /// Comparisons where both engines raised an error (agreement).
@@ -320,6 +325,9 @@ impl FuzzReport {
         for (sql, error) in &self.reference_plan_failure_examples {
             let _ = writeln!(text, "plan failure: {error}\n  in: {sql}");
         }
+        for (sql, error) in &self.reference_execution_error_examples {
+            let _ = writeln!(text, "execution error: {error}\n  in: {sql}");
+        }
         text
     }
 }
@@ -336,10 +344,7 @@ pub async fn run_fuzz(options: &FuzzOptions) -> Result<FuzzReport> {
     };
     let mut report = FuzzReport::default();
     for schema_index in 0..options.schemas {
-        if options
-            .only_schema
-            .is_some_and(|only| only != schema_index)
-        {
+        if options.only_schema.is_some_and(|only| only != schema_index) {
             continue;
         }
         let schema_seed = SeededRandom::derive_seed(options.seed, schema_index as u64);
@@ -438,6 +443,11 @@ async fn run_schema(
             Outcome::Rows(batches) => Ok(batches),
             Outcome::ExecutionError(error) => {
                 report.reference_execution_errors += 1;
+                if report.reference_execution_error_examples.len() < PLAN_FAILURE_EXAMPLES_MAX {
+                    report
+                        .reference_execution_error_examples
+                        .push((query.sql.clone(), first_line(&error)));
+                }
                 Err(error)
             }
         };
@@ -482,14 +492,16 @@ async fn run_schema(
         }
     }
     if options.progress {
-        let rows: Vec<usize> = schema.tables.iter().map(|table| table.spec.rows()).collect();
+        let rows: Vec<usize> = schema
+            .tables
+            .iter()
+            .map(|table| table.spec.rows())
+            .collect();
         println!(
             "schema {schema_index} (seed {schema_seed:#018x}, {} tables of {rows:?} rows): \
              {} queries, {} plan failure(s) in plain DataFusion, {} mismatch(es), {:.1} s",
             schema.tables.len(),
-            options
-                .only_query
-                .map_or(options.queries_per_schema, |_| 1),
+            options.only_query.map_or(options.queries_per_schema, |_| 1),
             report.reference_plan_failures - plan_failures_before,
             report.mismatches.len() - mismatches_before,
             started.elapsed().as_secs_f64()
@@ -519,7 +531,9 @@ async fn run_query(context: &SessionContext, sql: &str) -> Outcome {
     let frame = match tokio::time::timeout(timeout, context.sql(sql)).await {
         Ok(Ok(frame)) => frame,
         Ok(Err(error)) => return Outcome::PlanError(error.to_string()),
-        Err(_) => return Outcome::ExecutionError(format!("planning took over {QUERY_TIMEOUT_MS} ms")),
+        Err(_) => {
+            return Outcome::ExecutionError(format!("planning took over {QUERY_TIMEOUT_MS} ms"))
+        }
     };
     match tokio::time::timeout(timeout, frame.collect()).await {
         Ok(Ok(batches)) => Outcome::Rows(batches),
@@ -532,8 +546,16 @@ fn rows(batches: &[RecordBatch]) -> usize {
     batches.iter().map(RecordBatch::num_rows).sum()
 }
 
+/// An error on one line (DataFusion puts the cause of a wrapped error on the
+/// next lines), cut to [`ERROR_CHARACTERS_SHOWN`] characters.
 fn first_line(text: &str) -> String {
-    text.lines().next().unwrap_or_default().to_string()
+    let line = text
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty())
+        .collect::<Vec<_>>()
+        .join(" / ");
+    line.chars().take(ERROR_CHARACTERS_SHOWN).collect()
 }
 
 /// The cells of one rendered row (`rows_as_text` joins them with ` | `;

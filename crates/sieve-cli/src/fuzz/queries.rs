@@ -175,8 +175,8 @@ const ALIASES: [&str; 3] = ["a", "b", "c"];
 /// characters, an escaped `%`, and patterns matching everything or only
 /// the empty string.
 const LIKE_PATTERNS: [&str; 18] = [
-    "a%", "%b", "%ó%", "%日%", "a_b", "_", "%\\%%", "%x%y%", "A%", "%", "", "___", "%long%",
-    "ż%", "%a%b%", "_b%", "%_", "Ż%W",
+    "a%", "%b", "%ó%", "%日%", "a_b", "_", "%\\%%", "%x%y%", "A%", "%", "", "___", "%long%", "ż%",
+    "%a%b%", "_b%", "%_", "Ż%W",
 ];
 
 /// Regular expressions for `regexp_like` (not on the storage allow-list).
@@ -343,7 +343,10 @@ impl<'schema> QueryGenerator<'schema> {
     fn made_up_literal(&mut self, category: Category) -> String {
         match category {
             Category::Integer => self.random.between(-3, 40).to_string(),
-            Category::Decimal => format!("{}.{:02}", self.random.between(-50, 500), self.random.below(100)),
+            // An integer: a literal with a fraction is a double, which
+            // DataFusion coerces with a Decimal128(25, 0) column to
+            // Decimal128(38, 15), overflowing on large values.
+            Category::Decimal => self.random.between(-50, 500).to_string(),
             Category::Float => self
                 .random
                 .pick(&[
@@ -399,14 +402,16 @@ impl<'schema> QueryGenerator<'schema> {
                     format!("CAST({sql} AS BIGINT) / NULLIF({}, 0)", divisor.sql())
                 }
                 5 => format!("coalesce({sql}, {})", self.random.between(-1, 9)),
-                6 if !column.is_unsigned() => format!("CAST({sql} AS BIGINT) - {}", self.random.between(1, 50)),
+                6 if !column.is_unsigned() => {
+                    format!("CAST({sql} AS BIGINT) - {}", self.random.between(1, 50))
+                }
                 7 => match self.pick_column(scope, Category::Text) {
                     Some(text) => format!("length({})", text.sql()),
                     None => sql,
                 },
                 8 => match self.pick_column(scope, Category::Text) {
                     Some(text) => format!("TRY_CAST({} AS BIGINT)", text.sql()),
-                    None => format!("CAST({sql} AS INT)"),
+                    None => format!("TRY_CAST({sql} AS INT)"),
                 },
                 _ => match self.pick_column(scope, Category::Date) {
                     Some(date) => format!("CAST(date_part('day', {}) AS BIGINT)", date.sql()),
@@ -417,7 +422,11 @@ impl<'schema> QueryGenerator<'schema> {
                 0 => format!("{sql} * {}", self.random.between(2, 5)),
                 1 => format!("abs({sql})"),
                 2 => format!("-{sql}"),
-                3 => format!("round({sql}, {})", self.random.below(3)),
+                // Not round(): DataFusion 55 widens the precision of a
+                // rounded Decimal128(25, 0) and then fails at run time to
+                // compare it with a Decimal128(25, 0) literal, in plain
+                // DataFusion but not in Sieve (an error on one side only).
+                3 => format!("{sql} + 1"),
                 _ => format!("coalesce({sql}, 0)"),
             },
             Category::Float => match self.random.below(7) {
@@ -438,7 +447,11 @@ impl<'schema> QueryGenerator<'schema> {
             Category::Text => match self.random.below(12) {
                 0 => format!("lower({sql})"),
                 1 => format!("upper({sql})"),
-                2 => format!("substr({sql}, {}, {})", self.random.between(1, 3), self.random.between(1, 4)),
+                2 => format!(
+                    "substr({sql}, {}, {})",
+                    self.random.between(1, 3),
+                    self.random.between(1, 4)
+                ),
                 3 => format!("concat({sql}, 'ó')"),
                 4 => format!("{sql} || '_'"),
                 5 => format!("md5({sql})"),
@@ -474,7 +487,7 @@ impl<'schema> QueryGenerator<'schema> {
                 _ => format!("{sql} - INTERVAL '3 days'"),
             },
             Category::Boolean => match self.random.below(3) {
-                0 => format!("NOT {sql}"),
+                0 => format!("(NOT {sql})"),
                 1 => format!("coalesce({sql}, FALSE)"),
                 _ => format!("({sql} IS TRUE)"),
             },
@@ -526,12 +539,13 @@ impl<'schema> QueryGenerator<'schema> {
                 if self.random.percent(50) {
                     bounds.swap(0, 1);
                 }
-                format!("{sql} {not}BETWEEN {} AND {}", bounds[0], bounds[1])
+                format!("({sql} {not}BETWEEN {} AND {})", bounds[0], bounds[1])
             }
             2 => {
                 let not = if self.random.percent(30) { "NOT " } else { "" };
                 let count = 1 + self.random.below(4);
-                let mut items: Vec<String> = (0..count).map(|_| self.literal_for(&column)).collect();
+                let mut items: Vec<String> =
+                    (0..count).map(|_| self.literal_for(&column)).collect();
                 if self.random.percent(15) {
                     items.push("NULL".into());
                 }
@@ -548,7 +562,9 @@ impl<'schema> QueryGenerator<'schema> {
                 } else {
                     self.value(scope, category)
                 };
-                format!("{sql} IS {not}DISTINCT FROM {other}")
+                // Parenthesised: `x IS DISTINCT FROM y AND z` parses as
+                // `x IS DISTINCT FROM (y AND z)`.
+                format!("({sql} IS {not}DISTINCT FROM {other})")
             }
             5 => format!(
                 "CASE WHEN {} THEN {} ELSE {} END",
@@ -565,7 +581,9 @@ impl<'schema> QueryGenerator<'schema> {
                 Category::Text => match self.random.below(6) {
                     0 | 1 => {
                         let operator =
-                            *self.random.pick(&["LIKE", "NOT LIKE", "ILIKE", "NOT ILIKE"]);
+                            *self
+                                .random
+                                .pick(&["LIKE", "NOT LIKE", "ILIKE", "NOT ILIKE"]);
                         let pattern = self.random.pick(&LIKE_PATTERNS);
                         format!("{sql} {operator} '{pattern}'")
                     }
@@ -657,7 +675,11 @@ impl<'schema> QueryGenerator<'schema> {
             2 => Output::exact(format!("count(DISTINCT {})", any.sql())),
             3 | 4 if !numeric.is_empty() => {
                 let column = *self.random.pick(&numeric);
-                let function = if self.random.percent(60) { "sum" } else { "avg" };
+                let function = if self.random.percent(60) {
+                    "sum"
+                } else {
+                    "avg"
+                };
                 // Integer and decimal sums are exact; a float sum, and an
                 // average of integers (computed in floats), depend on order.
                 let approximate = column.category() == Category::Float
@@ -668,11 +690,20 @@ impl<'schema> QueryGenerator<'schema> {
                 }
             }
             5 | 6 => {
-                let function = if self.random.percent(50) { "min" } else { "max" };
-                Output::exact(format!("{function}({})", any.sql()))
+                let function = if self.random.percent(50) {
+                    "min"
+                } else {
+                    "max"
+                };
+                let column = self.min_max_argument(scope);
+                Output::exact(format!("{function}({})", column.sql()))
             }
             7 => {
-                let function = if self.random.percent(50) { "bool_and" } else { "bool_or" };
+                let function = if self.random.percent(50) {
+                    "bool_and"
+                } else {
+                    "bool_or"
+                };
                 let argument = match self.pick_column(scope, Category::Boolean) {
                     Some(column) if self.random.percent(50) => column.sql(),
                     _ => self.predicate(scope, 0),
@@ -695,6 +726,21 @@ impl<'schema> QueryGenerator<'schema> {
         }
     }
 
+    /// A column for `min` or `max`: any but a float column with NaN. In
+    /// DataFusion 55 a grouped `min` over a Float64 column holding NaN
+    /// depends on the order of the rows (`SELECT k, min(f) ... GROUP BY k`
+    /// gave -937.21 where the ungrouped `min(f)` of the same rows gave
+    /// -945.54), so two correct plans can disagree.
+    fn min_max_argument(&mut self, scope: &[Column<'schema>]) -> Column<'schema> {
+        let candidates: Vec<Column<'schema>> = scope
+            .iter()
+            .filter(|column| !column.spec.special_floats)
+            .copied()
+            .collect();
+        // `id` is never a float, so there is always a candidate.
+        candidates[self.random.below(candidates.len())]
+    }
+
     /// Grouping expressions: keys, booleans, short texts, dates, small
     /// integer expressions; never a float aggregate.
     fn grouping(&mut self, scope: &[Column<'schema>]) -> Vec<String> {
@@ -706,7 +752,9 @@ impl<'schema> QueryGenerator<'schema> {
                     Category::Integer if column.spec.key.is_none() && column.spec.name != "id" => {
                         format!("{} % 5", column.sql())
                     }
-                    Category::Text if self.random.percent(50) => format!("left({}, 1)", column.sql()),
+                    Category::Text if self.random.percent(50) => {
+                        format!("left({}, 1)", column.sql())
+                    }
                     Category::Timestamp => format!("date_trunc('year', {})", column.sql()),
                     Category::Decimal => format!("round({}, -2)", column.sql()),
                     _ => column.sql(),
@@ -765,9 +813,10 @@ impl<'schema> QueryGenerator<'schema> {
         let right_scope = Self::columns(right_table, ALIASES[1]);
         let left_keys = Self::key_columns(&left_scope);
         let right_keys = Self::key_columns(&right_scope);
-        let join_type = *self
-            .random
-            .pick(&["JOIN", "JOIN", "LEFT JOIN", "RIGHT JOIN", "FULL JOIN"]);
+        let join_type =
+            *self
+                .random
+                .pick(&["JOIN", "JOIN", "LEFT JOIN", "RIGHT JOIN", "FULL JOIN"]);
         let left_key = *self.random.pick(&left_keys);
         let right_key = *self.random.pick(&right_keys);
         let pairs = left_table.spec.rows() * right_table.spec.rows();
@@ -778,15 +827,22 @@ impl<'schema> QueryGenerator<'schema> {
                 format!("{} = {}", left_key.sql(), right_key.sql()),
                 Self::join_rows_estimate(&left_key, &right_key, false),
             ),
-            // NULL equals NULL.
-            1 => (
-                format!(
-                    "{} IS NOT DISTINCT FROM {}",
-                    left_key.sql(),
-                    right_key.sql()
-                ),
-                Self::join_rows_estimate(&left_key, &right_key, true),
-            ),
+            // NULL equals NULL, now and then with a residual.
+            1 => {
+                let residual = if self.random.percent(40) {
+                    format!(" AND {}", self.residual(&left_scope, &right_scope))
+                } else {
+                    String::new()
+                };
+                (
+                    format!(
+                        "({} IS NOT DISTINCT FROM {}){residual}",
+                        left_key.sql(),
+                        right_key.sql()
+                    ),
+                    Self::join_rows_estimate(&left_key, &right_key, true),
+                )
+            }
             // Equality plus a non-equi residual.
             2 => {
                 let residual = self.residual(&left_scope, &right_scope);
@@ -905,7 +961,11 @@ impl<'schema> QueryGenerator<'schema> {
         let positions: Vec<String> = (1..=outputs.len()).map(|index| index.to_string()).collect();
         let ordered = self.random.percent(40);
         let tail = if ordered {
-            format!(" ORDER BY {} LIMIT {}", positions.join(", "), self.random.between(1, LIMIT_MAX))
+            format!(
+                " ORDER BY {} LIMIT {}",
+                positions.join(", "),
+                self.random.between(1, LIMIT_MAX)
+            )
         } else {
             String::new()
         };
@@ -1113,7 +1173,7 @@ impl<'schema> QueryGenerator<'schema> {
                 )
             }
             _ => format!(
-                "EXISTS (SELECT 1 FROM {} AS b WHERE {} IS NOT DISTINCT FROM {}{inner_filter})",
+                "EXISTS (SELECT 1 FROM {} AS b WHERE ({} IS NOT DISTINCT FROM {}){inner_filter})",
                 inner.spec.name,
                 inner_key.sql(),
                 outer_key.sql()
@@ -1165,7 +1225,7 @@ impl<'schema> QueryGenerator<'schema> {
                 }
             };
             left_outputs.push(format!("{} AS v{position}", side(self, &left_scope)));
-            right_outputs.push(side(self, &right_scope));
+            right_outputs.push(format!("{} AS v{position}", side(self, &right_scope)));
         }
         let operator = *self.random.pick(&[
             "UNION",
@@ -1203,7 +1263,7 @@ impl<'schema> QueryGenerator<'schema> {
         let inner_scope = Self::columns(inner, ALIASES[1]);
         let outer_key = *self.random.pick(&Self::key_columns(&outer_scope));
         let inner_key = *self.random.pick(&Self::key_columns(&inner_scope));
-        let inner_column = inner_scope[self.random.below(inner_scope.len())];
+        let inner_column = self.min_max_argument(&inner_scope);
         let aggregate = if self.random.percent(40) {
             "count(*)".to_string()
         } else {
@@ -1255,7 +1315,12 @@ impl<'schema> QueryGenerator<'schema> {
         let order_column = scope[self.random.below(scope.len())];
         let numeric: Vec<Column<'schema>> = scope
             .iter()
-            .filter(|column| matches!(column.category(), Category::Integer | Category::Decimal | Category::Float))
+            .filter(|column| {
+                matches!(
+                    column.category(),
+                    Category::Integer | Category::Decimal | Category::Float
+                )
+            })
             .copied()
             .collect();
         let summed = *self.random.pick(&numeric);

@@ -111,7 +111,9 @@ impl TableSpec {
         Arc::new(Schema::new(
             self.columns
                 .iter()
-                .map(|column| Field::new(&column.name, column.data_type.clone(), column.name != "id"))
+                .map(|column| {
+                    Field::new(&column.name, column.data_type.clone(), column.name != "id")
+                })
                 .collect::<Vec<_>>(),
         ))
     }
@@ -214,7 +216,11 @@ impl FuzzSchema {
                 spec.slice_rows,
                 spec.layout.row_group_rows_max,
                 spec.layout.data_page_rows_max,
-                if spec.ids_sorted { "sorted" } else { "shuffled" },
+                if spec.ids_sorted {
+                    "sorted"
+                } else {
+                    "shuffled"
+                },
             );
             for column in &spec.columns {
                 let mut notes = Vec::new();
@@ -382,8 +388,30 @@ fn random_table_spec(random: &mut SeededRandom, index: usize, key_types: &[DataT
 /// multibyte UTF-8, case variants, and `%` and `_` inside the value. None
 /// contains `|`, which separates cells in the compared text.
 const STRINGS: [&str; 24] = [
-    "", "a", "A", "ab", "abc", "Abc", "ABC", "b", "ba", "x%y", "a_b", "100%", "_x", "%", "_",
-    "żółw", "Żółw", "ŻÓŁW", "日本", "日本語", "naïve", "straße", " pad ", "MiXeD",
+    "",
+    "a",
+    "A",
+    "ab",
+    "abc",
+    "Abc",
+    "ABC",
+    "b",
+    "ba",
+    "x%y",
+    "a_b",
+    "100%",
+    "_x",
+    "%",
+    "_",
+    "żółw",
+    "Żółw",
+    "ŻÓŁW",
+    "日本",
+    "日本語",
+    "naïve",
+    "straße",
+    " pad ",
+    "MiXeD",
 ];
 
 /// Characters random short strings are made of.
@@ -575,7 +603,10 @@ fn random_column(
         DataType::Timestamp(TimeUnit::Microsecond, None) => {
             // 1969-12 to 2030-03, with microseconds.
             let values = (0..rows)
-                .map(|_| random.between(-3_000_000, 1_900_000_000) * 1_000_000 + random.between(0, 999_999))
+                .map(|_| {
+                    random.between(-3_000_000, 1_900_000_000) * 1_000_000
+                        + random.between(0, 999_999)
+                })
                 .collect();
             Arc::new(TimestampMicrosecondArray::from(with_nulls(values, &nulls)))
         }
