@@ -14,7 +14,9 @@ use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use prost::Message;
 use sieve_format::SliceSummary;
-use sieve_fragment::{SliceMessage, SliceMessageKind, SliceMetrics};
+use sieve_fragment::{
+    DataError, SliceMessage, SliceMessageKind, SliceMetrics, ERROR_KIND_METADATA,
+};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
@@ -362,14 +364,30 @@ impl StorageClient {
 
     /// Map a gRPC status back to the DataFusion error kind it came from. A
     /// refused request (`InvalidArgument`) is the request's fault and would
-    /// be refused by any replica; anything else is the node's
-    /// ([`NodeFailure`]), and another replica may do better.
+    /// be refused by any replica; an error of the query's data
+    /// (`FailedPrecondition` naming a [`DataError`]) would fail on every
+    /// replica too, and comes back as the error it was on the node;
+    /// anything else is the node's ([`NodeFailure`]), and another replica
+    /// may do better.
     fn status_error(&self, status: Status) -> DataFusionError {
-        match status.code() {
-            Code::InvalidArgument => {
+        let data_error = status
+            .metadata()
+            .get(ERROR_KIND_METADATA)
+            .and_then(|value| value.to_str().ok())
+            .and_then(DataError::from_name);
+        match (status.code(), data_error) {
+            (Code::InvalidArgument, _) => {
                 DataFusionError::Plan(format!("storage node {}: {}", self.url, status.message()))
             }
-            code => node_failure(&self.url, format!("{code:?}: {}", status.message())),
+            (Code::FailedPrecondition, Some(data_error)) => {
+                log::debug!(
+                    "storage node {}: data error: {}",
+                    self.url,
+                    status.message()
+                );
+                data_error.rebuild(status.message().to_string())
+            }
+            (code, _) => node_failure(&self.url, format!("{code:?}: {}", status.message())),
         }
     }
 }

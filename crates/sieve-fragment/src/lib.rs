@@ -36,6 +36,7 @@ mod bitmap;
 mod bloom;
 mod codec;
 mod envelope;
+mod errors;
 mod like;
 mod slice_plan;
 mod unary;
@@ -51,6 +52,7 @@ pub use envelope::{
     schema_fingerprint, ByteRange, DecodedBody, Fragment, FragmentBody, FragmentEnvelope, IpcCodec,
     RawSlice, SliceMessage, SliceMessageKind, SliceMetrics, FRAGMENT_BYTES_MAX, FRAGMENT_VERSION,
 };
+pub use errors::{classify_error, DataError, ErrorKind, ERROR_KIND_METADATA};
 pub use like::{fast_like, OrderedSubstringsExpr};
 pub use slice_plan::{needed_columns, slice_plan, SlicePlan, SliceSource};
 pub use wire::{narrow, widen, wire_schema, wire_type};

@@ -11,8 +11,11 @@
 //! free in time; otherwise the slice is served raw (`raw.rs`).
 //!
 //! Errors keep their kind across the wire: a bad request is
-//! `InvalidArgument`, an unknown table or slice is `NotFound`, a failure
-//! while executing is `Internal`. A panic while executing a fragment is caught
+//! `InvalidArgument`, an unknown table or slice is `NotFound`, an error of
+//! the query's data (a failing cast, a division by zero) is
+//! `FailedPrecondition` with its kind in metadata
+//! ([`sieve_fragment::ERROR_KIND_METADATA`]), any other failure while
+//! executing is `Internal`. A panic while executing a fragment is caught
 //! and sent as `Internal`; it never takes the node down.
 
 use std::panic::AssertUnwindSafe;
@@ -31,7 +34,10 @@ use datafusion::common::DataFusionError;
 use futures::stream;
 use futures::{FutureExt, Stream, StreamExt};
 use prost::Message;
-use sieve_fragment::{FragmentEnvelope, IpcCodec, SliceMessage, SliceMessageKind, SliceMetrics};
+use sieve_fragment::{
+    classify_error, ErrorKind, FragmentEnvelope, IpcCodec, SliceMessage, SliceMessageKind,
+    SliceMetrics, ERROR_KIND_METADATA,
+};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::execute::Admitted;
@@ -103,12 +109,24 @@ impl StorageFlightService {
     }
 }
 
-/// Map a DataFusion error to a gRPC status of the matching kind.
+/// Map a DataFusion error to a gRPC status of the matching kind. An error of
+/// the query's data is `FailedPrecondition` with its kind in
+/// [`ERROR_KIND_METADATA`], so the compute node raises it as it is instead
+/// of failing over to a replica that would fail the same way.
 fn to_status(error: DataFusionError) -> Status {
-    match error.find_root() {
-        DataFusionError::Plan(message) => Status::invalid_argument(message.clone()),
-        DataFusionError::ResourcesExhausted(message) => Status::resource_exhausted(message.clone()),
-        _ => Status::internal(error.to_string()),
+    let (kind, message) = classify_error(&error);
+    match kind {
+        ErrorKind::Plan => Status::invalid_argument(message),
+        ErrorKind::Resources => Status::resource_exhausted(message),
+        ErrorKind::Data(data) => {
+            let mut status = Status::failed_precondition(message);
+            status.metadata_mut().insert(
+                ERROR_KIND_METADATA,
+                tonic::metadata::MetadataValue::from_static(data.name()),
+            );
+            status
+        }
+        ErrorKind::Node => Status::internal(message),
     }
 }
 
