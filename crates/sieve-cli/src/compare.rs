@@ -2,14 +2,14 @@
 
 use std::path::Path;
 
+use arrow::datatypes::{Schema, SchemaRef};
 use arrow::record_batch::RecordBatch;
 use arrow::util::display::{ArrayFormatter, FormatOptions};
+use datafusion::common::plan_err;
 use datafusion::common::Result;
-use datafusion::datasource::file_format::parquet::ParquetFormat;
-use datafusion::datasource::listing::{
-    ListingOptions, ListingTable, ListingTableConfig, ListingTableUrl,
-};
-use datafusion::prelude::SessionContext;
+use datafusion::datasource::MemTable;
+use datafusion::parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use datafusion::prelude::{SessionConfig, SessionContext};
 use sieve_format::{node_directory, TPCH_TABLES};
 use std::sync::Arc;
 
@@ -22,12 +22,22 @@ pub async fn reference_context(root: &Path, nodes: usize) -> Result<SessionConte
 }
 
 /// Like [`reference_context`], for the tables named.
+///
+/// The reference is as plain as DataFusion gets: every slice file is read
+/// whole with the Parquet crate into an in-memory table (one partition per
+/// slice), so no statistics, page index or Bloom filter prunes anything,
+/// and dynamic filters are off. DataFusion's own Parquet pruning is not
+/// independent of what it checks (it drops rows whose float value is NaN,
+/// which Parquet leaves out of min/max statistics), nor are its TopK
+/// dynamic filters (wrong over floats with NaN in DataFusion 55).
 pub async fn reference_context_for(
     root: &Path,
     nodes: usize,
     tables: &[&str],
 ) -> Result<SessionContext> {
-    let context = SessionContext::new();
+    let config =
+        SessionConfig::new().set_bool("datafusion.optimizer.enable_dynamic_filter_pushdown", false);
+    let context = SessionContext::new_with_config(config);
     for &table in tables {
         // Each slice file once, from the first node holding a copy.
         let mut files = std::collections::BTreeMap::new();
@@ -47,15 +57,24 @@ pub async fn reference_context_for(
                 }
             }
         }
-        let urls = files
-            .into_values()
-            .map(|path| ListingTableUrl::parse(path.canonicalize()?.display().to_string()))
-            .collect::<Result<Vec<_>>>()?;
-        let options =
-            ListingOptions::new(Arc::new(ParquetFormat::default())).with_file_extension(".parquet");
-        let config = ListingTableConfig::new_with_multi_paths(urls).with_listing_options(options);
-        let config = config.infer_schema(&context.state()).await?;
-        context.register_table(table, Arc::new(ListingTable::try_new(config)?))?;
+        let mut schema: Option<SchemaRef> = None;
+        let mut partitions = Vec::with_capacity(files.len());
+        for path in files.into_values() {
+            let reader = ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(&path)?)?;
+            // Each slice carries its own key-value metadata; the table's
+            // schema is the fields alone.
+            let fields = Arc::new(Schema::new(reader.schema().fields().clone()));
+            let table_schema = Arc::clone(schema.get_or_insert(fields));
+            let batches = reader
+                .build()?
+                .map(|batch| Ok(batch?.with_schema(Arc::clone(&table_schema))?))
+                .collect::<Result<Vec<RecordBatch>>>()?;
+            partitions.push(batches);
+        }
+        let Some(schema) = schema else {
+            return plan_err!("table {table} has no slice under {}", root.display());
+        };
+        context.register_table(table, Arc::new(MemTable::try_new(schema, partitions)?))?;
     }
     Ok(context)
 }

@@ -32,6 +32,7 @@ mod early_start;
 mod estimate;
 mod failover;
 mod join_filter;
+mod nan_safe;
 mod optimizer;
 mod range_store;
 pub mod raw;

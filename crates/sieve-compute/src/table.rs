@@ -21,7 +21,9 @@ use datafusion_datasource::file_scan_config::FileScanConfigBuilder;
 use datafusion_datasource::PartitionedFile;
 use datafusion_datasource_parquet::source::ParquetSource;
 use datafusion_datasource_parquet::CachedParquetFileReaderFactory;
-use sieve_fragment::{check_allowed, IpcCodec};
+use sieve_fragment::{check_allowed, pruning_predicate, IpcCodec};
+
+use crate::nan_safe::nan_safe;
 
 use crate::range_store::{ClusterRangeStore, CLUSTER_RANGE_URL};
 use crate::{
@@ -74,8 +76,13 @@ impl SieveTable {
                 store,
                 metadata_cache,
             )));
-        if let Some(predicate) = &predicate {
-            source = source.with_predicate(Arc::clone(predicate));
+        // Only what may prune by statistics (NaN is in no float statistics,
+        // `sieve_fragment::pruning_predicate`); the exact filter is above.
+        if let Some(prunable) = predicate
+            .as_ref()
+            .and_then(|predicate| pruning_predicate(predicate, &schema))
+        {
+            source = source.with_predicate(prunable);
         }
         let partitions = state
             .config()
@@ -132,6 +139,7 @@ fn finish_scan(
         ));
     };
     let predicate = reassign_expr_columns(predicate, &scan.schema())?;
+    let predicate = nan_safe(predicate, &scan.schema());
     let positions = projection
         .iter()
         .map(|column| needed.binary_search(column).expect("needed ⊇ projection"))

@@ -27,6 +27,7 @@ use datafusion_datasource_parquet::{
 use datafusion_pruning::{PruningPredicate, PruningPredicateBuilder};
 use parquet::bloom_filter::Sbbf;
 use parquet::file::metadata::ParquetMetaData;
+use sieve_fragment::pruning_predicate;
 
 use crate::CatalogSlice;
 
@@ -96,7 +97,9 @@ impl MatchHints {
             bloom_filter_bytes_read: 0,
             rows_selected: 0,
         };
-        if let Some(predicate) = predicate {
+        // NaN is in no float statistics: conjuncts over floats do not prune.
+        let predicate = predicate.and_then(|predicate| pruning_predicate(predicate, schema));
+        if let Some(predicate) = &predicate {
             let metrics = ParquetFileMetrics::new(
                 0,
                 slice.object_path.as_ref(),
