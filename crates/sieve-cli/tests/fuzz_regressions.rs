@@ -41,7 +41,7 @@ fn nan_data() -> PathBuf {
             .map(|i| match i {
                 i if i % 97 == 5 => Some(f64::NAN),
                 i if i % 13 == 0 => None,
-                i if i == 500 => Some(-0.0),
+                500 => Some(-0.0),
                 i => Some((i % 50) as f64),
             })
             .collect();

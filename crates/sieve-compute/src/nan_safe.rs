@@ -22,9 +22,15 @@ use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_expr::{conjunction, split_conjunction, PhysicalExpr};
 
 /// Evaluates `inner` unchanged; opaque to statistics pruning.
-#[derive(Debug, Hash, Eq)]
+#[derive(Debug, Eq)]
 pub(crate) struct PruningOpaqueExpr {
     inner: Arc<dyn PhysicalExpr>,
+}
+
+impl Hash for PruningOpaqueExpr {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.inner.as_ref().hash(state);
+    }
 }
 
 impl PartialEq for PruningOpaqueExpr {
