@@ -130,6 +130,11 @@ const QUERIES: &[&str] = &[
     "SELECT count(*) FROM b WHERE NOT EXISTS (SELECT 1 FROM a WHERE a.k = b.k AND a.v < 2)",
     "SELECT count(*) FROM a WHERE EXISTS (SELECT 1 FROM b WHERE b.k = a.k AND b.v < 40)",
     "SELECT count(*) FROM a WHERE k IN (SELECT k FROM b WHERE v < 7)",
+    // Mark joins: a subquery under OR.
+    "SELECT count(*) FROM a WHERE EXISTS (SELECT 1 FROM b WHERE b.k = a.k AND b.v < 10) OR a.v < 5",
+    "SELECT count(*) FROM a WHERE a.k IN (SELECT k FROM b WHERE v < 10) OR a.v < 5",
+    "SELECT count(*) FROM a WHERE a.k NOT IN (SELECT k FROM b WHERE v < 10) OR a.v < 5",
+    "SELECT count(*) FROM b WHERE NOT EXISTS (SELECT 1 FROM a WHERE a.k = b.k AND a.v < 3) OR b.k IS NULL",
     // Outer joins with NULL keys on both sides, and a residual filter.
     "SELECT count(*), count(a.id), count(x.id) FROM a LEFT JOIN (SELECT * FROM b WHERE v < 10) x ON a.k = x.k",
     "SELECT count(*), count(a.id), count(x.id) FROM a RIGHT JOIN (SELECT * FROM b WHERE v < 10) x ON a.k = x.k",
