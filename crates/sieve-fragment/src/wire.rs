@@ -15,9 +15,10 @@
 
 use std::sync::Arc;
 
-use arrow::array::ArrayRef;
+use arrow::array::{ArrayRef, AsArray, Decimal64Array};
 use arrow::compute::{cast_with_options, CastOptions};
-use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use arrow::datatypes::{DataType, Decimal128Type, Field, Schema, SchemaRef};
+use arrow::error::ArrowError;
 use arrow::record_batch::{RecordBatch, RecordBatchOptions};
 use datafusion::common::{exec_err, Result};
 
@@ -80,10 +81,28 @@ fn recast(batch: &RecordBatch, schema: &SchemaRef) -> Result<RecordBatch> {
         .iter()
         .zip(schema.fields())
         .map(|(column, field)| {
-            if column.data_type() == field.data_type() {
-                Ok(Arc::clone(column))
-            } else {
-                Ok(cast_with_options(column, field.data_type(), &exact())?)
+            match (column.data_type(), field.data_type()) {
+                (from, to) if from == to => Ok(Arc::clone(column)),
+                // Arrow's own cast takes every value to respect its declared
+                // precision and unwraps (panics) where one does not, which
+                // computed decimals need not: convert value by value.
+                (DataType::Decimal128(..), DataType::Decimal64(precision, scale)) => {
+                    let narrowed: Decimal64Array =
+                        column.as_primitive::<Decimal128Type>().try_unary(|value| {
+                            i64::try_from(value).map_err(|_| {
+                                ArrowError::CastError(format!(
+                                    "decimal value {value} of column {} does not fit its \
+                                     declared precision {precision}",
+                                    field.name()
+                                ))
+                            })
+                        })?;
+                    Ok(
+                        Arc::new(narrowed.with_precision_and_scale(*precision, *scale)?)
+                            as ArrayRef,
+                    )
+                }
+                _ => Ok(cast_with_options(column, field.data_type(), &exact())?),
             }
         })
         .collect::<Result<_>>()?;
@@ -143,6 +162,32 @@ pub fn widen(batch: RecordBatch, planned: &SchemaRef) -> Result<RecordBatch> {
 mod tests {
     use super::*;
     use arrow::array::{Array, Decimal128Array, Int64Array, StringArray};
+
+    /// A computed decimal beyond its declared precision (DataFusion does not
+    /// enforce it) is an error when narrowed, never a panic (fuzzer seed 1,
+    /// schema 15, query 183: Arrow's cast unwrapped it on a storage node).
+    #[test]
+    fn a_decimal_beyond_its_precision_is_an_error_not_a_panic() {
+        let schema = Arc::new(Schema::new(vec![Field::new(
+            "d",
+            DataType::Decimal128(9, 2),
+            true,
+        )]));
+        let values = Decimal128Array::from(vec![Some(5), None, Some(10i128.pow(30))])
+            .with_precision_and_scale(9, 2)
+            .unwrap();
+        let batch = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(values)]).unwrap();
+        let wire = wire_schema(&schema, &[false]);
+        let error = narrow(&batch, &wire).unwrap_err().to_string();
+        assert!(
+            error.contains("does not fit its declared precision"),
+            "{error}"
+        );
+        let fitting = batch.slice(0, 2);
+        let narrowed = narrow(&fitting, &wire).unwrap();
+        assert_eq!(narrowed.column(0).data_type(), &DataType::Decimal64(9, 2));
+        assert_eq!(widen(narrowed, &schema).unwrap(), fitting);
+    }
 
     fn batch() -> RecordBatch {
         let schema = Arc::new(Schema::new(vec![

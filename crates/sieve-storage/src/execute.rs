@@ -283,7 +283,13 @@ impl SliceExecutor {
                 .map(|&column| int64_fits_in_32_bits(&slice.metadata, column))
                 .collect(),
         };
-        let schema = wire_schema(&plan.schema(), &fits);
+        // Partial aggregation states travel as they are: they are few, and a
+        // computed decimal need not respect its declared precision (DataFusion
+        // does not enforce it), so it may not fit a narrower type.
+        let schema = match &body.aggregate {
+            Some(_) => plan.schema(),
+            None => wire_schema(&plan.schema(), &fits),
+        };
         Ok(SliceStream {
             schema,
             inner,
