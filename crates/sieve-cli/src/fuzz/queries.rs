@@ -713,8 +713,15 @@ impl<'schema> QueryGenerator<'schema> {
             _ if !numeric.is_empty() => {
                 let column = *self.random.pick(&numeric);
                 let function = *self.random.pick(&["var_samp", "stddev"]);
+                // Over the values' remainder by 1000: the variance of values
+                // of magnitude M carries a rounding error of about M² times
+                // the double's epsilon, whatever the result, so two correct
+                // plans merging their states in another order differ by more
+                // than any tolerance relative to the result once M is large
+                // (fuzzer seed 1, schema 23: stddev of two equal values near
+                // 7.4e17 was 0.0 in one plan, 63.2 in another).
                 Output {
-                    sql: format!("{function}({})", column.sql()),
+                    sql: format!("{function}({} % 1000)", column.sql()),
                     approximate: true,
                 }
             }
