@@ -8,8 +8,10 @@ use arrow::util::display::{ArrayFormatter, FormatOptions};
 use datafusion::common::plan_err;
 use datafusion::common::Result;
 use datafusion::datasource::MemTable;
+use datafusion::execution::SessionStateBuilder;
 use datafusion::parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use datafusion::prelude::{SessionConfig, SessionContext};
+use sieve_compute::physical_rules_without_static_filter_pushdown;
 use sieve_format::{node_directory, TPCH_TABLES};
 use std::sync::Arc;
 
@@ -39,7 +41,20 @@ pub async fn reference_context_for(
         .set_bool("datafusion.optimizer.enable_dynamic_filter_pushdown", false)
         // Panics over floats with NaN in DataFusion 55 (see sieve_compute's session).
         .set_bool("datafusion.optimizer.enable_topk_aggregation", false);
-    let context = SessionContext::new_with_config(config);
+    // Without DataFusion's physical filter pushdown, which maps filters
+    // through projections by column name (a wrong answer in DataFusion 55;
+    // see `sieve_compute::physical_rules_without_static_filter_pushdown`).
+    let state = SessionStateBuilder::new()
+        .with_config(config)
+        .with_default_features()
+        .with_physical_optimizer_rules(
+            physical_rules_without_static_filter_pushdown()
+                .into_iter()
+                .filter(|rule| rule.name() != "FilterPushdown(Post)")
+                .collect(),
+        )
+        .build();
+    let context = SessionContext::new_with_state(state);
     for &table in tables {
         // Each slice file once, from the first node holding a copy.
         let mut files = std::collections::BTreeMap::new();

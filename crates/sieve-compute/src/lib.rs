@@ -53,6 +53,9 @@ pub use join_filter::{JoinFilterSettings, JoinFilterSlot};
 pub use optimizer::{PushAggregateToStorage, WaitForJoinFilters};
 pub use range_store::ClusterRangeStore;
 pub use scan::{PushedAggregate, ScanOptions, SieveScanExec};
-pub use session::{connect_session, connect_session_with_config, SieveSession};
+pub use session::{
+    connect_session, connect_session_with_config, physical_rules_without_static_filter_pushdown,
+    SieveSession,
+};
 pub use table::SieveTable;
 pub use traffic::{Traffic, TrafficSnapshot};
