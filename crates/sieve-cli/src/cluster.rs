@@ -40,6 +40,16 @@ impl EmbeddedCluster {
         Ok(Self { nodes: started })
     }
 
+    /// Like [`Self::start`], with no pushdown workers: every slice is served
+    /// raw and the compute node runs each fragment itself.
+    pub async fn start_raw(root: &Path, nodes: usize) -> Result<Self> {
+        let execute = ExecuteOptions {
+            pushdown_workers: 0,
+            ..ExecuteOptions::default()
+        };
+        Self::start_with(root, nodes, execute).await
+    }
+
     /// Flight URLs of the nodes.
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(StorageNode::flight_url).collect()

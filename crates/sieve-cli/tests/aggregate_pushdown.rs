@@ -13,7 +13,6 @@ use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context_for, rows_as_text, run};
 use sieve_compute::{connect_session, SieveSession};
 use sieve_format::{node_directory, slice_path, write_slice, SliceLayout};
-use sieve_storage::ExecuteOptions;
 
 const NODES: usize = 3;
 const ROWS: usize = 3000;
@@ -203,16 +202,7 @@ async fn check_cases(session: &SieveSession, reference: &SessionContext) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pushed_aggregates_over_raw_slices_equal_plain_datafusion() {
     let root = data("raw");
-    let cluster = EmbeddedCluster::start_with(
-        &root,
-        NODES,
-        ExecuteOptions {
-            pushdown_workers: 0,
-            ..ExecuteOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let cluster = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();
     let session = connect_session(&cluster.urls()).await.unwrap();
     let reference = reference_context_for(&root, NODES, &["edge", "big"])
         .await

@@ -61,16 +61,7 @@ async fn run_with_scan_metrics(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_pushdown_workers_every_slice_is_raw_and_results_are_identical() {
     let root = test_data();
-    let cluster = EmbeddedCluster::start_with(
-        &root,
-        NODES,
-        ExecuteOptions {
-            pushdown_workers: 0,
-            ..ExecuteOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let cluster = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();
     let session = connect_session(&cluster.urls()).await.unwrap();
     let reference = reference_context(&root, NODES).await.unwrap();
     let mut total_slices = 0;

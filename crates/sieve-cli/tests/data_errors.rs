@@ -14,7 +14,6 @@ use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context_for, rows_as_text, run};
 use sieve_compute::{connect_session, SieveSession};
 use sieve_format::{copy_slice, node_directory, slice_path, write_slice, SliceLayout};
-use sieve_storage::ExecuteOptions;
 
 const NODES: usize = 3;
 
@@ -130,16 +129,7 @@ async fn a_data_error_in_a_pushed_filter_is_raised_once_without_failover() {
     assert!(served > 0);
 
     // Raw slices: the compute node runs the fragment and meets the same error.
-    let raw = EmbeddedCluster::start_with(
-        &root,
-        NODES,
-        ExecuteOptions {
-            pushdown_workers: 0,
-            ..ExecuteOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let raw = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();
     let raw_session = connect_session(&raw.urls()).await.unwrap();
     check(&raw_session, "raw").await;
     let _ = std::fs::remove_dir_all(&root);

@@ -11,7 +11,6 @@ use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context_for, rows_as_text, run};
 use sieve_compute::connect_session;
 use sieve_format::{node_directory, slice_path, write_slice, SliceLayout};
-use sieve_storage::ExecuteOptions;
 
 const NODES: usize = 2;
 
@@ -68,16 +67,7 @@ async fn float_predicates_keep_nan_rows_that_statistics_leave_out() {
     let root = nan_data();
     let reference = reference_context_for(&root, NODES, &["f"]).await.unwrap();
     let processed = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let raw = EmbeddedCluster::start_with(
-        &root,
-        NODES,
-        ExecuteOptions {
-            pushdown_workers: 0,
-            ..ExecuteOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let raw = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();
     let queries = [
         "SELECT count(*) FROM f WHERE x = CAST('NaN' AS DOUBLE)",
         "SELECT count(*) FROM f WHERE x > 100",

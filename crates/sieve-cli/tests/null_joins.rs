@@ -18,7 +18,6 @@ use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context_for, rows_as_text, run};
 use sieve_compute::{connect_session, SieveSession};
 use sieve_format::{copy_slice, node_directory, slice_path, write_slice, SliceLayout};
-use sieve_storage::ExecuteOptions;
 
 const NODES: usize = 3;
 
@@ -201,16 +200,7 @@ async fn joins_over_null_keys_equal_plain_datafusion() {
     assert!(!plan.contains("not complete after"), "{plan}");
 
     // Every slice raw: the compute node runs the same fragments.
-    let raw = EmbeddedCluster::start_with(
-        &root,
-        NODES,
-        ExecuteOptions {
-            pushdown_workers: 0,
-            ..ExecuteOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let raw = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();
     let raw_session = connect_session(&raw.urls()).await.unwrap();
     check(&raw_session, &reference, "raw").await;
     let (raw_slices, served) = raw.slices_raw_and_served();

@@ -18,8 +18,8 @@ use arrow::datatypes::{DataType, Schema};
 use arrow::record_batch::RecordBatch;
 use datafusion::common::{internal_err, Result};
 use datafusion::logical_expr::ColumnarValue;
-use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_expr::{conjunction, split_conjunction, PhysicalExpr};
+use sieve_fragment::reads_float_column;
 
 /// Evaluates `inner` unchanged; opaque to statistics pruning.
 #[derive(Debug, Eq)]
@@ -80,14 +80,7 @@ impl PhysicalExpr for PruningOpaqueExpr {
 /// `predicate` (over `schema`) with every conjunct that reads a float column
 /// made opaque to pruning.
 pub(crate) fn nan_safe(predicate: Arc<dyn PhysicalExpr>, schema: &Schema) -> Arc<dyn PhysicalExpr> {
-    let reads_float = |expr: &Arc<dyn PhysicalExpr>| {
-        collect_columns(expr).iter().any(|column| {
-            schema
-                .fields()
-                .get(column.index())
-                .is_none_or(|field| field.data_type().is_floating())
-        })
-    };
+    let reads_float = |expr: &Arc<dyn PhysicalExpr>| reads_float_column(expr, schema);
     let conjuncts = split_conjunction(&predicate);
     if !conjuncts.iter().any(|conjunct| reads_float(conjunct)) {
         return predicate;

@@ -55,6 +55,6 @@ pub use envelope::{
 };
 pub use errors::{classify_error, DataError, ErrorKind, ERROR_KIND_METADATA};
 pub use like::{fast_like, OrderedSubstringsExpr};
-pub use pruning::pruning_predicate;
+pub use pruning::{pruning_predicate, reads_float_column};
 pub use slice_plan::{needed_columns, slice_plan, SlicePlan, SliceSource};
 pub use wire::{narrow, widen, wire_schema, wire_type};

@@ -39,18 +39,21 @@ pub fn pruning_predicate(
     predicate: &Arc<dyn PhysicalExpr>,
     schema: &Schema,
 ) -> Option<Arc<dyn PhysicalExpr>> {
-    let reads_float = |expr: &Arc<dyn PhysicalExpr>| {
-        collect_columns(expr).iter().any(|column| {
-            schema
-                .fields()
-                .get(column.index())
-                .is_none_or(|field| field.data_type().is_floating())
-        })
-    };
     conjunction_opt(
         split_conjunction(predicate)
             .into_iter()
-            .filter(|conjunct| !reads_float(conjunct))
+            .filter(|conjunct| !reads_float_column(conjunct, schema))
             .cloned(),
     )
+}
+
+/// Whether `expr` (over `schema`) reads a float column, or a column
+/// `schema` does not have: what must not prune by statistics.
+pub fn reads_float_column(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> bool {
+    collect_columns(expr).iter().any(|column| {
+        schema
+            .fields()
+            .get(column.index())
+            .is_none_or(|field| field.data_type().is_floating())
+    })
 }

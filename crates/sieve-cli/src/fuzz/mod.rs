@@ -59,7 +59,6 @@ use arrow::record_batch::RecordBatch;
 use datafusion::common::{plan_err, DataFusionError, Result};
 use datafusion::prelude::SessionContext;
 use sieve_compute::{connect_session, SieveSession};
-use sieve_storage::ExecuteOptions;
 
 use crate::cluster::EmbeddedCluster;
 use crate::compare::{reference_context_for, rows_as_text};
@@ -376,15 +375,7 @@ async fn start_engines(root: &Path, modes: &[Mode]) -> Result<Engines> {
     clusters.push(default);
     let mut raw_urls = None;
     if modes.contains(&Mode::Raw) {
-        let raw = EmbeddedCluster::start_with(
-            root,
-            NODES,
-            ExecuteOptions {
-                pushdown_workers: 0,
-                ..ExecuteOptions::default()
-            },
-        )
-        .await?;
+        let raw = EmbeddedCluster::start_raw(root, NODES).await?;
         raw_urls = Some(raw.urls());
         clusters.push(raw);
     }
