@@ -19,6 +19,7 @@ use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::ExecutionPlan;
 
+use crate::limits::check_expression_limits;
 use crate::{BloomFilterExpr, KeyBitmapExpr, SliceInputExec};
 
 /// Aggregate functions a storage node runs as a partial aggregation. Each is
@@ -125,10 +126,18 @@ fn is_allowed_operator(operator: &Operator) -> bool {
     )
 }
 
-/// Check that `expr`, evaluated against `schema`, uses only allow-listed
-/// expression kinds, operators, types and functions. The error names the
-/// first thing refused.
+/// Check that `expr`, evaluated against `schema`, is within the limits of
+/// [`crate::limits`] (measured without recursion) and uses only
+/// allow-listed expression kinds, operators, types and functions. The error
+/// names the first thing refused.
 pub fn check_allowed(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Result<()> {
+    check_expression_limits(expr)?;
+    check_allowed_within_limits(expr, schema)
+}
+
+/// [`check_allowed`] on a tree already known to be within the limits: its
+/// recursion is at most [`crate::EXPRESSION_DEPTH_MAX`] deep.
+fn check_allowed_within_limits(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Result<()> {
     let output_type = expr.data_type(schema)?;
     if !is_allowed_type(&output_type) {
         return plan_err!("type {output_type} is not allowed in an NDP fragment (in {expr})");
@@ -169,7 +178,7 @@ pub fn check_allowed(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Result<()
         return plan_err!("expression {expr} is not allowed in an NDP fragment");
     }
     for child in expr.children() {
-        check_allowed(child, schema)?;
+        check_allowed_within_limits(child, schema)?;
     }
     Ok(())
 }

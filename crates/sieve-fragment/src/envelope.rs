@@ -439,12 +439,28 @@ impl DecodedBody {
     }
 }
 
+/// A projection names each column of the table at most once: a column asked
+/// for twice would be decoded and shipped twice (a 126-byte ticket naming
+/// `o_comment` 100 times cost a node 114 s of CPU).
 fn check_projection(projection: &[usize], schema: &Schema) -> Result<()> {
     let columns = schema.fields().len();
-    if let Some(bad) = projection.iter().find(|&&index| index >= columns) {
+    if projection.len() > columns {
         return plan_err!(
-            "NDP fragment projects column {bad}, but the table has {columns} columns"
+            "NDP fragment projects {} columns, but the table has {columns}",
+            projection.len()
         );
+    }
+    let mut seen = vec![false; columns];
+    for &index in projection {
+        match seen.get_mut(index) {
+            None => {
+                return plan_err!(
+                    "NDP fragment projects column {index}, but the table has {columns} columns"
+                )
+            }
+            Some(true) => return plan_err!("NDP fragment projects column {index} twice"),
+            Some(seen) => *seen = true,
+        }
     }
     Ok(())
 }

@@ -38,6 +38,7 @@ mod codec;
 mod envelope;
 mod errors;
 mod like;
+mod limits;
 mod pruning;
 mod slice_plan;
 mod unary;
@@ -55,6 +56,10 @@ pub use envelope::{
 };
 pub use errors::{classify_error, DataError, ErrorKind, ERROR_KIND_METADATA};
 pub use like::{fast_like, OrderedSubstringsExpr};
+pub use limits::{
+    check_expression_limits, ExpressionShape, EXPRESSION_DEPTH_MAX, EXPRESSION_NODES_MAX,
+    LITERAL_BYTES_MAX,
+};
 pub use pruning::{pruning_predicate, reads_float_column};
 pub use slice_plan::{needed_columns, slice_plan, SlicePlan, SliceSource};
 pub use wire::{narrow, widen, wire_schema, wire_type};

@@ -9,9 +9,7 @@
 //! with exactly the semantics the compute node would (overflow, NULLs,
 //! decimals, floats): pushing it down cannot change an answer.
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -48,9 +46,10 @@ pub struct ExecuteOptions {
     pub pushdown_filters: bool,
     /// Target rows per shipped batch.
     pub batch_rows: usize,
-    /// Upper bound on cached decoded fragments; the cache is emptied when full.
-    /// A fragment is a few kilobytes, so 1024 entries stay under a few megabytes.
-    pub fragment_cache_entries_max: usize,
+    /// Upper bound on the decoded-fragment cache, in bytes (each entry is
+    /// charged its key and an estimate of its decoded size); the cache is
+    /// emptied when full. A TPC-H fragment is a few kilobytes.
+    pub fragment_cache_bytes_max: usize,
     /// Codec of the shipped Arrow IPC buffers when the request leaves it to
     /// the node: zstd ships least (below the stored Parquet), LZ4 costs less
     /// CPU, none least CPU of all; auto is LZ4 for a peer on this host and
@@ -78,7 +77,7 @@ impl Default for ExecuteOptions {
         Self {
             pushdown_filters: false,
             batch_rows: 8192,
-            fragment_cache_entries_max: 1024,
+            fragment_cache_bytes_max: 32 * 1024 * 1024,
             ipc_compression: IpcCodec::Auto,
             pushdown_workers: cores,
             pushdown_queue_max: None,
@@ -113,7 +112,7 @@ pub struct SliceExecutor {
     task_context: Arc<TaskContext>,
     store: Arc<dyn ObjectStore>,
     options: ExecuteOptions,
-    cache: Mutex<HashMap<(String, u64), Arc<DecodedBody>>>,
+    cache: Mutex<FragmentCache>,
     fragments_decoded: AtomicU64,
     counters: NodeCounters,
 }
@@ -184,8 +183,8 @@ impl SliceExecutor {
             catalog,
             task_context: context.task_ctx(),
             store: Arc::new(LocalFileSystem::new()),
+            cache: Mutex::new(FragmentCache::new(options.fragment_cache_bytes_max)),
             options,
-            cache: Mutex::new(HashMap::new()),
             fragments_decoded: AtomicU64::new(0),
             counters: NodeCounters::default(),
         }
@@ -307,16 +306,13 @@ impl SliceExecutor {
         envelope: &FragmentEnvelope,
         schema: &SchemaRef,
     ) -> Result<Arc<DecodedBody>> {
-        let mut hasher = DefaultHasher::new();
-        envelope.body.hash(&mut hasher);
-        let key = (envelope.table.clone(), hasher.finish());
         if let Some(found) = self
             .cache
             .lock()
             .expect("cache lock is never poisoned")
-            .get(&key)
+            .get(&envelope.table, &envelope.body)
         {
-            return Ok(Arc::clone(found));
+            return Ok(found);
         }
         let body = Arc::new(DecodedBody::decode(
             &envelope.body,
@@ -324,12 +320,75 @@ impl SliceExecutor {
             &self.task_context,
         )?);
         self.fragments_decoded.fetch_add(1, Ordering::Relaxed);
-        let mut cache = self.cache.lock().expect("cache lock is never poisoned");
-        if cache.len() >= self.options.fragment_cache_entries_max {
-            cache.clear();
-        }
-        cache.insert(key, Arc::clone(&body));
+        self.cache
+            .lock()
+            .expect("cache lock is never poisoned")
+            .insert(&envelope.table, &envelope.body, Arc::clone(&body));
         Ok(body)
+    }
+}
+
+/// Decoded fragment bodies by table and the body's bytes. The key is the
+/// whole content, compared byte for byte: two fragments never share an
+/// entry. The cache is bounded in bytes ([`FragmentCache::charge`]) and
+/// emptied when full; only bodies that decoded and passed every check enter.
+#[derive(Debug)]
+struct FragmentCache {
+    entries: HashMap<String, HashMap<Vec<u8>, Arc<DecodedBody>>>,
+    bytes: usize,
+    bytes_max: usize,
+}
+
+/// Decoded size charged per encoded byte of a body: a decoded expression
+/// tree (boxed nodes, Arcs, schemas) is several times its protobuf.
+const DECODED_BYTES_PER_BODY_BYTE: usize = 8;
+
+/// Fixed charge per entry (the key, the map's slot, the body's vectors).
+const ENTRY_BYTES: usize = 1024;
+
+impl FragmentCache {
+    fn new(bytes_max: usize) -> Self {
+        Self {
+            entries: HashMap::new(),
+            bytes: 0,
+            bytes_max,
+        }
+    }
+
+    /// What an entry counts against the bound: its key and decoded body.
+    fn charge(table: &str, body: &[u8]) -> usize {
+        ENTRY_BYTES + table.len() + body.len() * (1 + DECODED_BYTES_PER_BODY_BYTE)
+    }
+
+    fn get(&self, table: &str, body: &[u8]) -> Option<Arc<DecodedBody>> {
+        self.entries.get(table)?.get(body).map(Arc::clone)
+    }
+
+    fn insert(&mut self, table: &str, body: &[u8], decoded: Arc<DecodedBody>) {
+        let charge = Self::charge(table, body);
+        if charge > self.bytes_max {
+            return;
+        }
+        if self
+            .entries
+            .get(table)
+            .is_some_and(|bodies| bodies.contains_key(body))
+        {
+            return;
+        }
+        if self.bytes + charge > self.bytes_max {
+            self.entries.clear();
+            self.bytes = 0;
+        }
+        if self
+            .entries
+            .entry(table.to_string())
+            .or_default()
+            .insert(body.to_vec(), decoded)
+            .is_none()
+        {
+            self.bytes += charge;
+        }
     }
 }
 
@@ -477,5 +536,43 @@ impl Stream for SliceStream {
             self.rows_returned += batch.num_rows() as u64;
         }
         polled
+    }
+}
+
+#[cfg(test)]
+mod cache_tests {
+    use std::sync::Arc;
+
+    use sieve_fragment::DecodedBody;
+
+    use super::FragmentCache;
+
+    fn body(column: usize) -> Arc<DecodedBody> {
+        Arc::new(DecodedBody {
+            projection: vec![column],
+            predicate: None,
+            aggregate: None,
+        })
+    }
+
+    /// Two bodies are two entries however alike (no hash stands in for the
+    /// bytes), and the cache never holds more than its bound.
+    #[test]
+    fn the_cache_compares_whole_bodies_and_stays_within_its_bytes() {
+        let bound = 4 * FragmentCache::charge("t", &[0; 1000]);
+        let mut cache = FragmentCache::new(bound);
+        cache.insert("t", &[1, 2, 3], body(1));
+        cache.insert("t", &[1, 2, 4], body(2));
+        assert_eq!(cache.get("t", &[1, 2, 3]).unwrap().projection, [1]);
+        assert_eq!(cache.get("t", &[1, 2, 4]).unwrap().projection, [2]);
+        assert!(cache.get("u", &[1, 2, 3]).is_none());
+        for round in 0..100u8 {
+            cache.insert("t", &[round; 1000], body(3));
+            assert!(cache.bytes <= bound, "{} > {bound}", cache.bytes);
+        }
+        // A body larger than the whole bound is never cached.
+        let mut small = FragmentCache::new(100);
+        small.insert("t", &[0; 1000], body(0));
+        assert!(small.get("t", &[0; 1000]).is_none());
     }
 }
