@@ -220,35 +220,54 @@ impl FlightService for StorageFlightService {
             .remote_addr()
             .is_some_and(|address| address.ip().is_loopback());
         let ticket = request.into_inner().ticket;
-        let envelope = FragmentEnvelope::decode_checked(&ticket).map_err(to_status)?;
-        let (codec, chosen_here) =
-            match IpcCodec::from_wire(envelope.ipc_codec).map_err(to_status)? {
-                IpcCodec::Auto => (self.executor.options().ipc_compression, true),
-                requested => (requested, false),
-            };
-        let adaptive = (chosen_here
-            && codec.resolve(loopback) == Some(arrow::ipc::CompressionType::LZ4_FRAME))
-        .then(|| Adaptive {
-            choices: Arc::clone(&self.codec_choices),
-            table: envelope.table.clone(),
-        });
-        let (_, slice) = self
-            .executor
-            .catalog()
-            .slice(&envelope.table, envelope.slice)
-            .map_err(|error| Status::not_found(error.find_root().message().into_owned()))?;
-        let slice = Arc::clone(slice);
-        // A bad fragment is refused whatever the node's load.
-        let body = self.executor.body_for(&envelope).map_err(to_status)?;
+        // Everything that reads the ticket runs inside a panic guard: a
+        // decoder's panic on hostile bytes is an error for this request,
+        // never a reset stream or a dead node.
+        let (envelope, codec, adaptive, slice, body) = guarded("decoding the ticket", || {
+            let envelope = FragmentEnvelope::decode_checked(&ticket).map_err(to_status)?;
+            let (codec, chosen_here) =
+                match IpcCodec::from_wire(envelope.ipc_codec).map_err(to_status)? {
+                    IpcCodec::Auto => (self.executor.options().ipc_compression, true),
+                    requested => (requested, false),
+                };
+            let adaptive = (chosen_here
+                && codec.resolve(loopback) == Some(arrow::ipc::CompressionType::LZ4_FRAME))
+            .then(|| Adaptive {
+                choices: Arc::clone(&self.codec_choices),
+                table: envelope.table.clone(),
+            });
+            let (_, slice) = self
+                .executor
+                .catalog()
+                .slice(&envelope.table, envelope.slice)
+                .map_err(|error| Status::not_found(error.find_root().message().into_owned()))?;
+            let slice = Arc::clone(slice);
+            // A bad fragment is refused whatever the node's load.
+            let body = self.executor.body_for(&envelope).map_err(to_status)?;
+            Ok((envelope, codec, adaptive, slice, body))
+        })?;
         match self.pool.admit().await {
             Admission::Raw(reason) => {
-                let plan = plan_raw(&slice, &envelope, &body, reason).map_err(to_status)?;
+                let plan = guarded("planning a raw slice", || {
+                    plan_raw(&slice, &envelope, &body, reason).map_err(to_status)
+                })?;
                 let faults = Arc::clone(&self.faults);
                 let stream =
                     raw_stream(slice, plan, Arc::clone(&self.executor)).inspect(move |message| {
                         if message.is_ok() {
                             faults.message_sent();
                         }
+                    });
+                // A panic while reading pages ends the stream with an error
+                // (a stream that panicked is not polled again).
+                let stream = AssertUnwindSafe(stream)
+                    .catch_unwind()
+                    .map(|polled| {
+                        polled.unwrap_or_else(|_| {
+                            Err(Status::internal(
+                                "storage node failed while serving a raw slice (panic caught)",
+                            ))
+                        })
                     });
                 Ok(Response::new(Box::pin(stream)))
             }
@@ -266,12 +285,20 @@ impl FlightService for StorageFlightService {
                 );
                 self.pool.spawn(async move {
                     let _worker = worker;
-                    if AssertUnwindSafe(work).catch_unwind().await.is_err() {
-                        let _ = sender
-                            .send(Err(Status::internal(
-                                "storage node failed while executing the fragment (panic caught)",
-                            )))
-                            .await;
+                    // The work stops when its client goes away: the response
+                    // stream, and with it the receiver, is dropped.
+                    let gone = sender.clone();
+                    tokio::select! {
+                        _ = gone.closed() => {}
+                        finished = AssertUnwindSafe(work).catch_unwind() => {
+                            if finished.is_err() {
+                                let _ = sender
+                                    .send(Err(Status::internal(
+                                        "storage node failed while executing the fragment (panic caught)",
+                                    )))
+                                    .await;
+                            }
+                        }
                     }
                 });
                 let output = futures::stream::unfold(receiver, |mut receiver| async move {
@@ -412,6 +439,16 @@ async fn process(
             FlightData::new().with_app_metadata(trailer.encode_to_vec())
         ))
         .await;
+}
+
+/// Run `work` (a request's synchronous decoding and checking) and turn a
+/// panic into an `Internal` status naming `what`.
+fn guarded<T>(what: &str, work: impl FnOnce() -> Result<T, Status>) -> Result<T, Status> {
+    std::panic::catch_unwind(AssertUnwindSafe(work)).unwrap_or_else(|_| {
+        Err(Status::internal(format!(
+            "storage node failed while {what} (panic caught)"
+        )))
+    })
 }
 
 /// The node's own choice of lz4 for a peer on its host, to be confirmed by
