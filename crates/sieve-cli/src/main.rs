@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use datafusion::common::Result;
+use datafusion::common::{DataFusionError, Result};
 use sieve_cli::bench::streams::{format_streams, run_streams, StreamsOptions};
 use sieve_cli::bench::{run_bench, BenchOptions, LinkSpec, Mode};
 use sieve_cli::cluster::EmbeddedCluster;
@@ -234,17 +234,26 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    // Threads with deep stacks (`sieve_compute::compute_runtime`), and the
+    // command's own thread likewise: DataFusion plans by recursion.
+    let runtime = match sieve_compute::compute_runtime() {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("error: cannot start the runtime: {error}");
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli)) {
+    let finished = std::thread::Builder::new()
+        .name("sieve-main".to_string())
+        .stack_size(sieve_compute::COMPUTE_THREAD_STACK_BYTES)
+        .spawn(move || runtime.block_on(run(cli)))
+        .map_err(|error| DataFusionError::Execution(format!("cannot start: {error}")))
+        .and_then(|thread| {
+            thread
+                .join()
+                .unwrap_or_else(|_| Err(DataFusionError::Execution("panicked".to_string())))
+        });
+    match finished {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error}");

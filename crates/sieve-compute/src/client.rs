@@ -324,7 +324,18 @@ impl StorageClient {
             };
             futures::future::ready(result)
         });
-        let decoded = FlightRecordBatchStream::new_from_flight_data(messages);
+        // A malformed IPC stream from a node is that node's failure, even
+        // if the decoder panics on it.
+        let decoded =
+            std::panic::AssertUnwindSafe(FlightRecordBatchStream::new_from_flight_data(messages))
+                .catch_unwind()
+                .map(|polled| {
+                    polled.unwrap_or_else(|_| {
+                        Err(FlightError::DecodeError(
+                            "the slice stream could not be decoded (decoder panicked)".to_string(),
+                        ))
+                    })
+                });
         let for_errors = self.clone();
         let batches = decoded.map(move |batch| {
             batch

@@ -62,6 +62,12 @@ extensions_options! {
         /// of its node (down, refused, cut off, silent); each replica is
         /// tried at most once.
         pub slice_retries: usize, default = 2
+        /// Deepest a query's expressions may nest (after OR chains of
+        /// equalities become IN lists); deeper ones are refused before
+        /// planning recurses into them. Fragments shipped to the storage
+        /// nodes have their own, lower bound (`EXPRESSION_DEPTH_MAX`):
+        /// deeper filters run on the compute node.
+        pub expression_depth_max: usize, default = crate::deep::DEFAULT_EXPRESSION_DEPTH_MAX
     }
 }
 

@@ -28,6 +28,7 @@ mod build_keys;
 mod catalog;
 mod client;
 mod config;
+mod deep;
 mod early_start;
 mod estimate;
 mod failover;
@@ -47,6 +48,10 @@ pub use catalog::{
 };
 pub use client::{as_node_failure, NodeFailure, SlicePart, StorageClient};
 pub use config::{NdpMode, SieveConfig};
+pub use deep::{
+    analyzer_rules_with_depth_limit, compute_runtime, expression_depth, ExpressionDepthLimit,
+    COMPUTE_THREAD_STACK_BYTES, DEFAULT_EXPRESSION_DEPTH_MAX,
+};
 pub use early_start::{EarlyStartExec, StartScansEarly};
 pub use failover::FailoverSettings;
 pub use join_filter::{JoinFilterSettings, JoinFilterSlot};

@@ -52,8 +52,10 @@ pub fn complete_raw(
     task_context: Arc<TaskContext>,
     batch_rows: usize,
 ) -> Result<SendableRecordBatchStream> {
-    let metadata = ParquetMetaDataReader::decode_metadata(&pages.head.footer)
-        .map_err(|error| exec_datafusion_err!("raw slice with a bad footer: {error}"))?;
+    let metadata =
+        std::panic::catch_unwind(|| ParquetMetaDataReader::decode_metadata(&pages.head.footer))
+            .map_err(|_| exec_datafusion_err!("raw slice with a bad footer (decoder panicked)"))?
+            .map_err(|error| exec_datafusion_err!("raw slice with a bad footer: {error}"))?;
     let groups = metadata.num_row_groups();
     let mut access_plan = ParquetAccessPlan::new_none(groups);
     for &group in &pages.head.row_groups {

@@ -303,6 +303,17 @@ impl SieveScanExec {
         }
     }
 
+    /// This scan with `notes` for EXPLAIN (why part of its filter stays
+    /// on the compute node).
+    pub fn clone_with_notes(&self, notes: &[String]) -> Self {
+        let mut join_notes = self.join_notes.clone();
+        join_notes.extend(notes.iter().cloned());
+        Self {
+            join_notes,
+            ..self.copy()
+        }
+    }
+
     /// This scan without the dynamic filter `expression_id`, and a note for
     /// EXPLAIN saying why. The join then has no consumer for its filter and
     /// does not compute it.
@@ -883,12 +894,23 @@ impl SieveScanExec {
                         };
                         let (conjuncts, descriptions) =
                             resolve(&join_filters, &join_settings, probe).await?;
-                        *resolved_out.lock().expect("never poisoned") = descriptions;
                         if conjuncts.is_empty() {
+                            *resolved_out.lock().expect("never poisoned") = descriptions;
                             return Ok(base_body);
                         }
                         let predicate =
                             physical_conjunction(predicate.into_iter().chain(conjuncts));
+                        // Join filters are an optimisation: a fragment they
+                        // would take past the storage nodes' limits goes
+                        // without them.
+                        if let Some(reason) =
+                            sieve_fragment::ExpressionShape::of(&predicate).exceeded()
+                        {
+                            *resolved_out.lock().expect("never poisoned") =
+                                vec![format!("join filters not pushed: {reason}")];
+                            return Ok(base_body);
+                        }
+                        *resolved_out.lock().expect("never poisoned") = descriptions;
                         let fragment = sieve_fragment::Fragment {
                             projection: shipped,
                             predicate: Some(predicate),

@@ -110,6 +110,7 @@ pub async fn connect_session_with_config(
     let state = SessionStateBuilder::new()
         .with_config(config)
         .with_default_features()
+        .with_analyzer_rules(crate::analyzer_rules_with_depth_limit())
         .with_physical_optimizer_rules(physical_rules_without_static_filter_pushdown())
         .with_physical_optimizer_rule(Arc::new(PushAggregateToStorage))
         .with_physical_optimizer_rule(Arc::new(WaitForJoinFilters))

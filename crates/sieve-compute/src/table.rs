@@ -21,7 +21,7 @@ use datafusion_datasource::file_scan_config::FileScanConfigBuilder;
 use datafusion_datasource::PartitionedFile;
 use datafusion_datasource_parquet::source::ParquetSource;
 use datafusion_datasource_parquet::CachedParquetFileReaderFactory;
-use sieve_fragment::{check_allowed, pruning_predicate, IpcCodec};
+use sieve_fragment::{check_allowed, pruning_predicate, ExpressionShape, IpcCodec};
 
 use crate::nan_safe::nan_safe;
 
@@ -193,12 +193,8 @@ impl TableProvider for SieveTable {
             return self.scan_off(state, &projection, predicate);
         }
         // Split the predicate: allow-listed conjuncts go to the storage nodes,
-        // the rest stay here.
-        let (pushed, residual): (Vec<_>, Vec<_>) = predicate
-            .iter()
-            .flat_map(datafusion::physical_expr::split_conjunction)
-            .cloned()
-            .partition(|conjunct| check_allowed(conjunct, &schema).is_ok());
+        // the rest stay here, and EXPLAIN says why.
+        let (pushed, residual, notes) = split_pushable(predicate.as_ref(), &schema);
         let pushed = (!pushed.is_empty()).then(|| physical_conjunction(pushed));
         let residual = (!residual.is_empty()).then(|| physical_conjunction(residual));
         let mut needed = projection.clone();
@@ -221,9 +217,65 @@ impl TableProvider for SieveTable {
                 failover: settings.failover_settings(),
             },
         )?);
+        let scan: Arc<dyn ExecutionPlan> = if notes.is_empty() {
+            scan
+        } else {
+            let scan = scan
+                .downcast_ref::<SieveScanExec>()
+                .expect("built above")
+                .clone_with_notes(&notes);
+            Arc::new(scan)
+        };
         match residual {
             None => Ok(scan),
             Some(_) => finish_scan(scan, &needed, &projection, residual),
         }
     }
+}
+
+type Conjuncts = Vec<Arc<dyn PhysicalExpr>>;
+
+/// The conjuncts of `predicate` the storage nodes may evaluate, those the
+/// compute node keeps, and a note for EXPLAIN on each kept for its size
+/// (a deep or huge expression is a legitimate query: it gets its answer
+/// here). The pushed conjunction as a whole stays within the fragment
+/// limits: the deepest conjuncts stay here until it does.
+fn split_pushable(
+    predicate: Option<&Arc<dyn PhysicalExpr>>,
+    schema: &SchemaRef,
+) -> (Conjuncts, Conjuncts, Vec<String>) {
+    let (mut pushed, mut residual, mut notes) = (vec![], vec![], vec![]);
+    let Some(predicate) = predicate else {
+        return (vec![], residual, notes);
+    };
+    // `split_conjunction` recurses over ANDs only; the depth limit of the
+    // session (`sieve.expression_depth_max`) bounds them.
+    for conjunct in datafusion::physical_expr::split_conjunction(predicate) {
+        let shape = ExpressionShape::of(conjunct);
+        match shape.exceeded() {
+            Some(reason) => {
+                notes.push(format!("filter kept on the compute node: {reason}"));
+                residual.push(Arc::clone(conjunct));
+            }
+            None if check_allowed(conjunct, schema).is_ok() => {
+                pushed.push((shape, Arc::clone(conjunct)))
+            }
+            None => residual.push(Arc::clone(conjunct)),
+        }
+    }
+    // AND nests its conjuncts, each one level more: the deepest stay here
+    // until the conjunction fits.
+    pushed.sort_by_key(|(shape, _)| shape.depth);
+    let mut kept: Conjuncts = pushed.into_iter().map(|(_, conjunct)| conjunct).collect();
+    while !kept.is_empty() {
+        let Some(reason) = ExpressionShape::of(&physical_conjunction(kept.clone())).exceeded()
+        else {
+            break;
+        };
+        notes.push(format!(
+            "filter kept on the compute node: pushed with the others, {reason}"
+        ));
+        residual.extend(kept.pop());
+    }
+    (kept, residual, notes)
 }

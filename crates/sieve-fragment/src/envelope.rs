@@ -406,11 +406,18 @@ impl DecodedBody {
         check_projection(&projection, schema)?;
         let predicate = match &body.predicate {
             Some(node) => {
+                // datafusion-proto sends a chain of one operator as a flat
+                // list, so decoding rebuilds a tree of any depth: it is
+                // measured without recursion, and a refused one is dropped
+                // without recursion.
                 let predicate = parse_physical_expr(node, task_context, schema, &SieveCodec::new())
                     .map_err(|error| {
                         plan_datafusion_err!("NDP fragment predicate cannot be decoded: {error}")
                     })?;
-                check_allowed(&predicate, schema)?;
+                if let Err(error) = check_allowed(&predicate, schema) {
+                    crate::dismantle(predicate);
+                    return Err(error);
+                }
                 Some(predicate)
             }
             None => None,

@@ -57,8 +57,8 @@ pub use envelope::{
 pub use errors::{classify_error, DataError, ErrorKind, ERROR_KIND_METADATA};
 pub use like::{fast_like, OrderedSubstringsExpr};
 pub use limits::{
-    check_expression_limits, ExpressionShape, EXPRESSION_DEPTH_MAX, EXPRESSION_NODES_MAX,
-    LITERAL_BYTES_MAX,
+    check_expression_limits, dismantle, ExpressionShape, EXPRESSION_DEPTH_MAX,
+    EXPRESSION_NODES_MAX, LITERAL_BYTES_MAX,
 };
 pub use pruning::{pruning_predicate, reads_float_column};
 pub use slice_plan::{needed_columns, slice_plan, SlicePlan, SliceSource};

@@ -109,6 +109,21 @@ pub fn check_expression_limits(expr: &Arc<dyn PhysicalExpr>) -> Result<()> {
     }
 }
 
+/// Drop `expr` without recursing: a deep tree dropped the ordinary way
+/// recurses once per level and can overflow the stack. Each node is
+/// released after its children are held on an explicit stack, so dropping
+/// it only decrements theirs. Subtrees shared with other owners are left to
+/// them.
+pub fn dismantle(expr: Arc<dyn PhysicalExpr>) {
+    let mut stack = vec![expr];
+    while let Some(node) = stack.pop() {
+        let children: Vec<Arc<dyn PhysicalExpr>> =
+            node.children().into_iter().map(Arc::clone).collect();
+        drop(node);
+        stack.extend(children);
+    }
+}
+
 fn scalar_bytes(value: &ScalarValue) -> usize {
     match value {
         ScalarValue::Utf8(Some(text))
@@ -149,10 +164,7 @@ mod tests {
         assert_eq!(shape.depth, 100_001);
         assert!(shape.exceeded().unwrap().contains("nested 100001 deep"));
         assert!(check_expression_limits(&expr).is_err());
-        while let Some(binary) = expr.downcast_ref::<BinaryExpr>() {
-            let left = Arc::clone(binary.left());
-            expr = left;
-        }
+        dismantle(expr);
     }
 
     #[test]

@@ -116,18 +116,38 @@ impl StorageFlightService {
 fn to_status(error: DataFusionError) -> Status {
     let (kind, message) = classify_error(&error);
     match kind {
-        ErrorKind::Plan => Status::invalid_argument(message),
-        ErrorKind::Resources => Status::resource_exhausted(message),
+        ErrorKind::Plan => Status::invalid_argument(clip(message)),
+        ErrorKind::Resources => Status::resource_exhausted(clip(message)),
         ErrorKind::Data(data) => {
-            let mut status = Status::failed_precondition(message);
+            let mut status = Status::failed_precondition(clip(message));
             status.metadata_mut().insert(
                 ERROR_KIND_METADATA,
                 tonic::metadata::MetadataValue::from_static(data.name()),
             );
             status
         }
-        ErrorKind::Node => Status::internal(message),
+        ErrorKind::Node => Status::internal(clip(message)),
     }
+}
+
+/// Longest status message a node sends, in bytes. A message travels in an
+/// HTTP/2 header, and a client refuses headers over 16 KiB as a protocol
+/// error; names from the request (a table, an action) are echoed in
+/// messages, so a hostile name must not make an error unreadable.
+const STATUS_MESSAGE_BYTES_MAX: usize = 2048;
+
+/// `message` cut to [`STATUS_MESSAGE_BYTES_MAX`] at a character boundary.
+fn clip(message: impl Into<String>) -> String {
+    let mut message = message.into();
+    if message.len() > STATUS_MESSAGE_BYTES_MAX {
+        let mut end = STATUS_MESSAGE_BYTES_MAX - 3;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+        message.push_str("...");
+    }
+    message
 }
 
 type BoxedFlightStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -170,7 +190,7 @@ impl FlightService for StorageFlightService {
         self.executor
             .catalog()
             .table(&name)
-            .map_err(|error| Status::not_found(error.to_string()))?;
+            .map_err(|error| Status::not_found(clip(error.to_string())))?;
         let info = self
             .flight_infos()?
             .into_iter()
@@ -180,7 +200,9 @@ impl FlightService for StorageFlightService {
                     .is_some_and(|found| found.path == descriptor.path)
             })
             .ok_or_else(|| {
-                Status::not_found(format!("table '{name}' is not held by this storage node"))
+                Status::not_found(clip(format!(
+                    "table '{name}' is not held by this storage node"
+                )))
             })?;
         Ok(Response::new(info))
     }
@@ -202,7 +224,7 @@ impl FlightService for StorageFlightService {
             .executor
             .catalog()
             .table(&name)
-            .map_err(|error| Status::not_found(error.to_string()))?;
+            .map_err(|error| Status::not_found(clip(error.to_string())))?;
         let options = IpcWriteOptions::default();
         let result = arrow_flight::SchemaAsIpc::new(&table.schema, &options)
             .try_into()
@@ -240,7 +262,9 @@ impl FlightService for StorageFlightService {
                 .executor
                 .catalog()
                 .slice(&envelope.table, envelope.slice)
-                .map_err(|error| Status::not_found(error.find_root().message().into_owned()))?;
+                .map_err(|error| {
+                    Status::not_found(clip(error.find_root().message().into_owned()))
+                })?;
             let slice = Arc::clone(slice);
             // A bad fragment is refused whatever the node's load.
             let body = self.executor.body_for(&envelope).map_err(to_status)?;
@@ -260,15 +284,13 @@ impl FlightService for StorageFlightService {
                     });
                 // A panic while reading pages ends the stream with an error
                 // (a stream that panicked is not polled again).
-                let stream = AssertUnwindSafe(stream)
-                    .catch_unwind()
-                    .map(|polled| {
-                        polled.unwrap_or_else(|_| {
-                            Err(Status::internal(
-                                "storage node failed while serving a raw slice (panic caught)",
-                            ))
-                        })
-                    });
+                let stream = AssertUnwindSafe(stream).catch_unwind().map(|polled| {
+                    polled.unwrap_or_else(|_| {
+                        Err(Status::internal(
+                            "storage node failed while serving a raw slice (panic caught)",
+                        ))
+                    })
+                });
                 Ok(Response::new(Box::pin(stream)))
             }
             Admission::Run(worker, admitted) => {
@@ -335,9 +357,9 @@ impl FlightService for StorageFlightService {
                 };
                 Ok(Response::new(Box::pin(stream::once(async { Ok(result) }))))
             }
-            other => Err(Status::unimplemented(format!(
+            other => Err(Status::unimplemented(clip(format!(
                 "action '{other}' is not supported (known: {STATS_ACTION})"
-            ))),
+            )))),
         }
     }
 
