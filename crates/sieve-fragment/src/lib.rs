@@ -53,7 +53,10 @@ pub use envelope::{
     schema_fingerprint, ByteRange, DecodedBody, Fragment, FragmentBody, FragmentEnvelope, IpcCodec,
     RawSlice, SliceMessage, SliceMessageKind, SliceMetrics, FRAGMENT_BYTES_MAX, FRAGMENT_VERSION,
 };
-pub use errors::{classify_error, DataError, ErrorKind, ERROR_KIND_METADATA};
+pub use errors::{
+    classify_error, DataError, ErrorKind, CORRUPT_FILE_METADATA, CORRUPT_SLICE_KIND,
+    ERROR_KIND_METADATA,
+};
 pub use like::{fast_like, OrderedSubstringsExpr};
 pub use pruning::{pruning_predicate, reads_float_column};
 pub use slice_plan::{needed_columns, slice_plan, SlicePlan, SliceSource};
