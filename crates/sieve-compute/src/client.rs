@@ -15,7 +15,8 @@ use futures::{StreamExt, TryStreamExt};
 use prost::Message;
 use sieve_format::SliceSummary;
 use sieve_fragment::{
-    DataError, SliceMessage, SliceMessageKind, SliceMetrics, ERROR_KIND_METADATA,
+    DataError, SliceMessage, SliceMessageKind, SliceMetrics, CORRUPT_FILE_METADATA,
+    CORRUPT_SLICE_KIND, ERROR_KIND_METADATA,
 };
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
@@ -69,6 +70,37 @@ pub fn as_node_failure(error: &DataFusionError) -> Option<&NodeFailure> {
         DataFusionError::External(inner) => inner.downcast_ref::<NodeFailure>(),
         DataFusionError::Context(_, inner) => as_node_failure(inner),
         DataFusionError::Shared(inner) => as_node_failure(inner),
+        _ => None,
+    }
+}
+
+/// A slice attempt failed because the storage node's copy of the slice is
+/// damaged (a page failed its checksum): another replica may hold a good
+/// copy, and the node itself is healthy, so it is not marked failed.
+#[derive(Debug)]
+pub struct CorruptReplica {
+    /// The node's address.
+    pub node: String,
+    /// The damaged slice file, as the node names it.
+    pub file: String,
+    /// The node's message.
+    pub reason: String,
+}
+
+impl std::fmt::Display for CorruptReplica {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "storage node {}: {}", self.node, self.reason)
+    }
+}
+
+impl std::error::Error for CorruptReplica {}
+
+/// The damaged replica behind `error`, if that is what it is.
+pub fn as_corrupt_replica(error: &DataFusionError) -> Option<&CorruptReplica> {
+    match error {
+        DataFusionError::External(inner) => inner.downcast_ref::<CorruptReplica>(),
+        DataFusionError::Context(_, inner) => as_corrupt_replica(inner),
+        DataFusionError::Shared(inner) => as_corrupt_replica(inner),
         _ => None,
     }
 }
@@ -378,14 +410,37 @@ impl StorageClient {
     /// be refused by any replica; an error of the query's data
     /// (`FailedPrecondition` naming a [`DataError`]) would fail on every
     /// replica too, and comes back as the error it was on the node;
-    /// anything else is the node's ([`NodeFailure`]), and another replica
-    /// may do better.
+    /// a damaged copy of the slice (`DataLoss`, [`CORRUPT_SLICE_KIND`]) is
+    /// that copy's ([`CorruptReplica`]); anything else is the node's
+    /// ([`NodeFailure`]), and another replica may do better.
     fn status_error(&self, status: Status) -> DataFusionError {
         let data_error = status
             .metadata()
             .get(ERROR_KIND_METADATA)
             .and_then(|value| value.to_str().ok())
             .and_then(DataError::from_name);
+        let kind = status
+            .metadata()
+            .get(ERROR_KIND_METADATA)
+            .and_then(|value| value.to_str().ok());
+        if status.code() == Code::DataLoss && kind == Some(CORRUPT_SLICE_KIND) {
+            let file = status
+                .metadata()
+                .get(CORRUPT_FILE_METADATA)
+                .and_then(|value| value.to_str().ok())
+                .unwrap_or_default()
+                .to_string();
+            log::warn!(
+                "storage node {}: corrupt copy of {file}: {}",
+                self.url,
+                status.message()
+            );
+            return DataFusionError::External(Box::new(CorruptReplica {
+                node: self.url.clone(),
+                file,
+                reason: status.message().to_string(),
+            }));
+        }
         match (status.code(), data_error) {
             (Code::InvalidArgument, _) => {
                 DataFusionError::Plan(format!("storage node {}: {}", self.url, status.message()))

@@ -10,8 +10,9 @@
 //! While another replica is left to try, an attempt's output is held until
 //! the slice completes, so a failure mid-stream never lets a row through
 //! twice. The last attempt streams straight through. Only failures of the
-//! node ([`NodeFailure`]) are retried; a refused request would be refused by
-//! every replica. When every attempt failed, the error names the slice and
+//! node ([`NodeFailure`]) and damaged copies of the slice
+//! ([`crate::CorruptReplica`], which leave the node marked healthy) are
+//! retried; a refused request would be refused by every replica. When every attempt failed, the error names the slice and
 //! every node tried.
 
 use std::sync::atomic::Ordering;
@@ -23,7 +24,7 @@ use futures::stream::BoxStream;
 use futures::{stream, StreamExt, TryStreamExt};
 
 use crate::catalog::Recovery;
-use crate::client::{as_node_failure, SlicePart};
+use crate::client::{as_corrupt_replica, as_node_failure, SlicePart};
 use crate::{ClusterCatalog, ClusterSlice, Traffic};
 
 /// How a slice request fails over.
@@ -126,6 +127,10 @@ pub(crate) fn request_slice(
                         record(&recoveries, failed_node, detected);
                     }
                     part.map_err(|error| {
+                        if as_corrupt_replica(&error).is_some() {
+                            failures.push(error.to_string());
+                            return every_replica_failed(&table, slice_number, replicas, &failures);
+                        }
                         if as_node_failure(&error).is_none() {
                             return error;
                         }
@@ -144,6 +149,21 @@ pub(crate) fn request_slice(
                     }
                     failed.extend(parts.into_iter().map(Ok));
                     return Ok(stream::iter(failed).boxed());
+                }
+                Err(error) if as_corrupt_replica(&error).is_some() => {
+                    // The node is healthy (not marked failed, no recovery
+                    // recorded); only its copy of this slice is not.
+                    drop(in_flight);
+                    log::warn!(
+                        "slice {} of {}: {error}; trying another replica",
+                        slice.summary.slice,
+                        requests.table
+                    );
+                    failures.push(error.to_string());
+                    failed.push(Ok(SlicePart::Failed {
+                        node: client.url().to_string(),
+                        reason: error.to_string(),
+                    }));
                 }
                 Err(error) if as_node_failure(&error).is_some() => {
                     drop(in_flight);

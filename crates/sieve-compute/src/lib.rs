@@ -26,6 +26,7 @@
 
 mod build_keys;
 mod catalog;
+mod checked_reader;
 mod client;
 mod config;
 mod deep;
@@ -46,7 +47,9 @@ pub use build_keys::{BuildKeys, BuildKeysExec, CollectedKeys};
 pub use catalog::{
     ClusterCatalog, ClusterSlice, ClusterTable, NodeState, Recovery, NODE_SUSPECT_MS,
 };
-pub use client::{as_node_failure, NodeFailure, SlicePart, StorageClient};
+pub use client::{
+    as_corrupt_replica, as_node_failure, CorruptReplica, NodeFailure, SlicePart, StorageClient,
+};
 pub use config::{NdpMode, SieveConfig};
 pub use deep::{
     analyzer_rules_with_depth_limit, compute_runtime, expression_depth, ExpressionDepthLimit,

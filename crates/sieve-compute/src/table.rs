@@ -23,6 +23,7 @@ use datafusion_datasource_parquet::source::ParquetSource;
 use datafusion_datasource_parquet::CachedParquetFileReaderFactory;
 use sieve_fragment::{check_allowed, pruning_predicate, ExpressionShape, IpcCodec};
 
+use crate::checked_reader::CheckedReaderFactory;
 use crate::nan_safe::nan_safe;
 
 use crate::range_store::{ClusterRangeStore, CLUSTER_RANGE_URL};
@@ -72,10 +73,10 @@ impl SieveTable {
         // Parquet options (page index, pruning, Bloom filters) and metadata cache.
         let mut source = ParquetSource::new(Arc::clone(&schema))
             .with_table_parquet_options(state.table_options().parquet.clone())
-            .with_parquet_file_reader_factory(Arc::new(CachedParquetFileReaderFactory::new(
-                store,
-                metadata_cache,
-            )));
+            // Every page read is verified against the slice's page checksums.
+            .with_parquet_file_reader_factory(Arc::new(CheckedReaderFactory::new(Arc::new(
+                CachedParquetFileReaderFactory::new(store, metadata_cache),
+            ))));
         // Only what may prune by statistics (NaN is in no float statistics,
         // `sieve_fragment::pruning_predicate`); the exact filter is above.
         if let Some(prunable) = predicate

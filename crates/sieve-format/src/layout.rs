@@ -116,8 +116,9 @@ pub fn write_slice(
     ));
     let mut file = writer.into_inner()?;
     file.flush()?;
-    file.sync_all()?;
     drop(file);
+    crate::checksum::add_page_checksums(&temporary)?;
+    File::open(&temporary)?.sync_all()?;
     std::fs::rename(&temporary, path)?;
     Ok(rows)
 }

@@ -18,21 +18,29 @@
 //! temporary name and renamed into place, so a crash in the middle of a load
 //! never leaves a partial slice visible.
 //!
+//! Every page of a slice carries a CRC-32 in the footer (see
+//! [`PageChecksums`]), so a reader can tell a damaged copy from a good one.
+//!
 //! This crate does no networking and knows nothing of queries.
 #![deny(missing_docs)]
 
 mod catalog;
+mod checksum;
 mod layout;
 mod tpch;
 
 pub use catalog::{ColumnSummary, SliceSummary, TableSummary};
+pub use checksum::{
+    add_page_checksums, find_page_corruption, page_ranges, PageChecksums, PageCorruption,
+    PAGE_CHECKSUMS_KEY,
+};
 pub use layout::{copy_slice, write_slice, SliceLayout, DISTINCT_COUNTS_KEY};
 pub use tpch::{generate_tpch, is_generated, replica_nodes, slice_path, TpchTable, TPCH_TABLES};
 
 /// Version of the on-disk layout. A load written by another version is not
 /// considered complete and is generated again (version 2 added the per-column
-/// distinct counts).
-pub const FORMAT_VERSION: u32 = 2;
+/// distinct counts, version 3 the page checksums).
+pub const FORMAT_VERSION: u32 = 3;
 
 /// Name of the marker file written after every slice of a load is in place.
 pub const LOAD_COMPLETE_MARKER: &str = "_SUCCESS";

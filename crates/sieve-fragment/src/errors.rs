@@ -37,6 +37,15 @@ use datafusion::common::DataFusionError;
 /// gRPC metadata key naming a [`DataError`] on a failed slice request.
 pub const ERROR_KIND_METADATA: &str = "sieve-error-kind";
 
+/// The [`ERROR_KIND_METADATA`] value of a `DataLoss` status: the node's copy
+/// of the slice failed its page checksums. Another replica may hold a good
+/// copy, and the node itself is fine: the compute node fails over without
+/// marking the node failed.
+pub const CORRUPT_SLICE_KIND: &str = "corrupt-slice";
+
+/// gRPC metadata key naming the damaged slice file on a `DataLoss` status.
+pub const CORRUPT_FILE_METADATA: &str = "sieve-corrupt-file";
+
 /// Whose fault a failure is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {

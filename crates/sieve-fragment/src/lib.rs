@@ -54,7 +54,10 @@ pub use envelope::{
     schema_fingerprint, ByteRange, DecodedBody, Fragment, FragmentBody, FragmentEnvelope, IpcCodec,
     RawSlice, SliceMessage, SliceMessageKind, SliceMetrics, FRAGMENT_BYTES_MAX, FRAGMENT_VERSION,
 };
-pub use errors::{classify_error, DataError, ErrorKind, ERROR_KIND_METADATA};
+pub use errors::{
+    classify_error, DataError, ErrorKind, CORRUPT_FILE_METADATA, CORRUPT_SLICE_KIND,
+    ERROR_KIND_METADATA,
+};
 pub use like::{fast_like, OrderedSubstringsExpr};
 pub use limits::{
     check_expression_limits, dismantle, ExpressionShape, EXPRESSION_DEPTH_MAX,

@@ -33,6 +33,63 @@ pub struct CatalogSlice {
     /// the size it is the file's version for HTTP readers (`ETag`,
     /// `Last-Modified`).
     pub modified: std::time::SystemTime,
+    /// The CRC-32 of every page, from the footer; `None` for a slice written
+    /// before page checksums (served, but reported as unchecked in `stats`).
+    pub checksums: Option<sieve_format::PageChecksums>,
+    /// Set when a read found a page that fails its checksum: this copy is
+    /// damaged, and every later request for it is refused at once.
+    pub corruption: std::sync::OnceLock<sieve_format::PageCorruption>,
+}
+
+impl CatalogSlice {
+    /// Verify the whole pages inside `bytes`, read from the slice file at
+    /// `offset`. A mismatch marks the copy corrupt (and logs it, once);
+    /// a copy already marked corrupt fails at once.
+    pub fn check_pages(
+        &self,
+        offset: u64,
+        bytes: &[u8],
+    ) -> std::result::Result<(), sieve_format::PageCorruption> {
+        if let Some(corruption) = self.corruption.get() {
+            return Err(corruption.clone());
+        }
+        let Some(checksums) = &self.checksums else {
+            return Ok(());
+        };
+        checksums
+            .verify(&self.path.display().to_string(), offset, bytes)
+            .map_err(|corruption| self.mark_corrupt(corruption))
+    }
+
+    /// Record that this copy is damaged; returns the corruption that counts
+    /// (the first one found).
+    pub fn mark_corrupt(
+        &self,
+        corruption: sieve_format::PageCorruption,
+    ) -> sieve_format::PageCorruption {
+        let mut first = false;
+        let kept = self.corruption.get_or_init(|| {
+            first = true;
+            corruption
+        });
+        if first {
+            log::error!(
+                "slice {} of table '{}' is corrupt on this node, refusing it from now on: {kept}",
+                self.summary.slice,
+                self.summary.table
+            );
+        }
+        kept.clone()
+    }
+
+    /// `range` grown to whole pages, so that every page it touches can be
+    /// verified.
+    pub fn widen(&self, range: std::ops::Range<u64>) -> std::ops::Range<u64> {
+        match &self.checksums {
+            Some(checksums) => checksums.widen(range),
+            None => range,
+        }
+    }
 }
 
 /// One table the node holds part of.
@@ -49,12 +106,16 @@ pub struct CatalogTable {
 pub struct NodeCatalog {
     root: PathBuf,
     tables: BTreeMap<String, CatalogTable>,
+    /// Slice files found but not readable at startup, each with its error.
+    unreadable: Vec<String>,
 }
 
 impl NodeCatalog {
     /// Read the catalog of the data directory `root`: every
     /// `TABLE/TABLE-NNNNN.parquet`. Temporary files of an interrupted load
-    /// are ignored; a slice that cannot be read is an error.
+    /// are ignored; a slice file that cannot be read (truncated, no valid
+    /// footer) is logged by name, listed in [`Self::unreadable`] and left
+    /// out, and the node serves the rest.
     pub fn open(root: &Path) -> Result<Self> {
         let root = root.canonicalize().map_err(|error| {
             DataFusionError::Plan(format!(
@@ -63,6 +124,7 @@ impl NodeCatalog {
             ))
         })?;
         let mut tables = BTreeMap::new();
+        let mut unreadable = Vec::new();
         let mut table_dirs: Vec<_> = std::fs::read_dir(&root)?.collect::<std::io::Result<_>>()?;
         table_dirs.sort_by_key(|entry| entry.file_name());
         for table_dir in table_dirs {
@@ -77,7 +139,20 @@ impl NodeCatalog {
                 let Some(slice_number) = parse_slice_number(&table_name, &file_name) else {
                     continue;
                 };
-                let (schema, slice) = open_slice(&root, &table_name, slice_number, &entry.path())?;
+                // A slice file that cannot be read is named and left out;
+                // the node serves the rest (other replicas hold its copies).
+                let (schema, slice) =
+                    match open_slice(&root, &table_name, slice_number, &entry.path()) {
+                        Ok(opened) => opened,
+                        Err(error) => {
+                            log::error!(
+                                "slice file {} cannot be read, not serving it: {error}",
+                                entry.path().display()
+                            );
+                            unreadable.push(format!("{}: {error}", entry.path().display()));
+                            continue;
+                        }
+                    };
                 let table = table.get_or_insert_with(|| CatalogTable {
                     schema: Arc::clone(&schema),
                     slices: BTreeMap::new(),
@@ -94,7 +169,17 @@ impl NodeCatalog {
                 tables.insert(table_name, table);
             }
         }
-        Ok(Self { root, tables })
+        Ok(Self {
+            root,
+            tables,
+            unreadable,
+        })
+    }
+
+    /// Slice files that could not be read at startup (each named, with its
+    /// error); the node serves the others.
+    pub fn unreadable(&self) -> &[String] {
+        &self.unreadable
     }
 
     /// The data directory.
@@ -229,6 +314,13 @@ fn open_slice(
             .map(|name| name.to_string_lossy().into_owned())
             .unwrap_or_default(),
     };
+    let checksums = sieve_format::PageChecksums::from_metadata(&metadata)?;
+    if checksums.is_none() {
+        log::warn!(
+            "slice {} has no page checksums (written before they existed): served unchecked",
+            path.display()
+        );
+    }
     let object_path = object_store::path::Path::from_absolute_path(path)
         .map_err(|error| DataFusionError::External(Box::new(error)))?;
     Ok((
@@ -240,6 +332,8 @@ fn open_slice(
             metadata,
             footer: read_footer(&file, bytes)?,
             modified,
+            checksums,
+            corruption: std::sync::OnceLock::new(),
         },
     ))
 }

@@ -15,7 +15,8 @@
 //! the query's data (a failing cast, a division by zero) is
 //! `FailedPrecondition` with its kind in metadata
 //! ([`sieve_fragment::ERROR_KIND_METADATA`]), any other failure while
-//! executing is `Internal`. A panic while executing a fragment is caught
+//! executing is `Internal`, and a slice whose copy here fails its page
+//! checksums is `DataLoss` naming the file. A panic while executing a fragment is caught
 //! and sent as `Internal`; it never takes the node down.
 
 use std::panic::AssertUnwindSafe;
@@ -36,7 +37,7 @@ use futures::{FutureExt, Stream, StreamExt};
 use prost::Message;
 use sieve_fragment::{
     classify_error, ErrorKind, FragmentEnvelope, IpcCodec, SliceMessage, SliceMessageKind,
-    SliceMetrics, ERROR_KIND_METADATA,
+    SliceMetrics, CORRUPT_FILE_METADATA, CORRUPT_SLICE_KIND, ERROR_KIND_METADATA,
 };
 use tonic::{Request, Response, Status, Streaming};
 
@@ -113,7 +114,13 @@ impl StorageFlightService {
 /// the query's data is `FailedPrecondition` with its kind in
 /// [`ERROR_KIND_METADATA`], so the compute node raises it as it is instead
 /// of failing over to a replica that would fail the same way.
+///
+/// A page that failed its checksum is `DataLoss`, naming the slice file in
+/// [`CORRUPT_FILE_METADATA`]: this copy is damaged, another may not be.
 fn to_status(error: DataFusionError) -> Status {
+    if let Some(corruption) = sieve_format::find_page_corruption(&error) {
+        return corrupt_status(corruption);
+    }
     let (kind, message) = classify_error(&error);
     match kind {
         ErrorKind::Plan => Status::invalid_argument(clip(message)),
@@ -148,6 +155,23 @@ fn clip(message: impl Into<String>) -> String {
         message.push_str("...");
     }
     message
+}
+
+/// The status of a request for a slice whose copy here is damaged.
+pub(crate) fn corrupt_status(corruption: &sieve_format::PageCorruption) -> Status {
+    let mut status = Status::data_loss(clip(corruption.to_string()));
+    status.metadata_mut().insert(
+        ERROR_KIND_METADATA,
+        tonic::metadata::MetadataValue::from_static(CORRUPT_SLICE_KIND),
+    );
+    let file = std::path::Path::new(&corruption.file)
+        .file_name()
+        .map(|name| name.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if let Ok(value) = tonic::metadata::MetadataValue::try_from(file.as_str()) {
+        status.metadata_mut().insert(CORRUPT_FILE_METADATA, value);
+    }
+    status
 }
 
 type BoxedFlightStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -266,6 +290,10 @@ impl FlightService for StorageFlightService {
                     Status::not_found(clip(error.find_root().message().into_owned()))
                 })?;
             let slice = Arc::clone(slice);
+            // A copy found damaged is refused at once, on every path.
+            if let Some(corruption) = slice.corruption.get() {
+                return Err(corrupt_status(corruption));
+            }
             // A bad fragment is refused whatever the node's load.
             let body = self.executor.body_for(&envelope).map_err(to_status)?;
             Ok((envelope, codec, adaptive, slice, body))
@@ -351,6 +379,20 @@ impl FlightService for StorageFlightService {
                 stats["pushdown_workers"] = self.pool.workers().into();
                 stats["pushdown_running"] = self.pool.running().into();
                 stats["pushdown_waiting"] = self.pool.waiting().into();
+                let (mut corrupt, mut unchecked) = (Vec::new(), 0u64);
+                for table in self.executor.catalog().tables().values() {
+                    for slice in table.slices.values() {
+                        if slice.corruption.get().is_some() {
+                            corrupt.push(slice.summary.file.clone());
+                        }
+                        if slice.checksums.is_none() {
+                            unchecked += 1;
+                        }
+                    }
+                }
+                stats["corrupt_slices"] = corrupt.into();
+                stats["unchecked_slices"] = unchecked.into();
+                stats["unreadable_slices"] = self.executor.catalog().unreadable().to_vec().into();
                 let body = stats.to_string();
                 let result = arrow_flight::Result {
                     body: body.into_bytes().into(),

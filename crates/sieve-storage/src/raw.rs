@@ -9,6 +9,9 @@
 //!   SliceMessage::Metrics { processed: false, raw_reason }
 //! ```
 //!
+//! Every page shipped is verified against the slice's page checksums first:
+//! a damaged copy is refused (`DataLoss`), never shipped.
+//!
 //! This is a plain read: it runs on the node's I/O threads, never waits for a
 //! pushdown worker, and costs the node a read and a copy.
 
@@ -18,7 +21,7 @@ use std::sync::Arc;
 use arrow_flight::FlightData;
 use datafusion::common::Result;
 use futures::stream::BoxStream;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use prost::Message;
 use sieve_fragment::{
     needed_columns, ByteRange, DecodedBody, FragmentEnvelope, RawSlice, SliceMessage,
@@ -27,6 +30,7 @@ use sieve_fragment::{
 use tonic::Status;
 
 use crate::execute::wanted_row_groups;
+use crate::flight::corrupt_status;
 use crate::{CatalogSlice, SliceExecutor};
 
 /// Largest piece of a raw slice in one Flight message.
@@ -113,23 +117,22 @@ pub(crate) fn raw_stream(
         raw_bytes: data_bytes + plan.head.footer.len() as u64,
         ..SliceMetrics::default()
     };
-    let mut pieces: Vec<(u64, u64)> = Vec::new();
-    for range in &plan.head.ranges {
-        let mut offset = range.offset;
-        let end = range.offset + range.length;
-        while offset < end {
-            let length = (end - offset).min(RAW_CHUNK_BYTES);
-            pieces.push((offset, length));
-            offset += length;
-        }
-    }
+    // Each range is whole column chunks, so whole pages: it is read and
+    // verified in one piece, then shipped in pieces of RAW_CHUNK_BYTES.
+    let ranges: Vec<(u64, u64)> = plan
+        .head
+        .ranges
+        .iter()
+        .map(|range| (range.offset, range.length))
+        .collect();
     let head = FlightData::new().with_app_metadata(message(SliceMessageKind::Raw(plan.head)));
-    let chunks = futures::stream::iter(pieces)
+    let chunks = futures::stream::iter(ranges)
         .map(move |(offset, length)| {
             let slice = Arc::clone(&slice);
             async move {
+                let read = Arc::clone(&slice);
                 let bytes = tokio::task::spawn_blocking(move || {
-                    let file = std::fs::File::open(&slice.path)?;
+                    let file = std::fs::File::open(&read.path)?;
                     let mut buffer = vec![0u8; length as usize];
                     file.read_exact_at(&mut buffer, offset)?;
                     Ok::<_, std::io::Error>(buffer)
@@ -137,12 +140,26 @@ pub(crate) fn raw_stream(
                 .await
                 .map_err(|error| Status::internal(format!("raw read task failed: {error}")))?
                 .map_err(|error| Status::internal(format!("reading a raw slice: {error}")))?;
-                Ok(FlightData::new()
-                    .with_app_metadata(message(SliceMessageKind::RawChunk(offset)))
-                    .with_data_body(bytes))
+                slice
+                    .check_pages(offset, &bytes)
+                    .map_err(|corruption| corrupt_status(&corruption))?;
+                let bytes = bytes::Bytes::from(bytes);
+                let mut pieces = Vec::new();
+                let mut start = 0u64;
+                while start < length {
+                    let piece = (length - start).min(RAW_CHUNK_BYTES);
+                    pieces.push(Ok(FlightData::new()
+                        .with_app_metadata(message(SliceMessageKind::RawChunk(offset + start)))
+                        .with_data_body(
+                            bytes.slice(start as usize..(start + piece) as usize),
+                        )));
+                    start += piece;
+                }
+                Ok::<_, Status>(futures::stream::iter(pieces))
             }
         })
-        .buffered(2);
+        .buffered(2)
+        .try_flatten();
     let trailer = futures::stream::once(async move {
         executor.counters().record(&metrics);
         Ok(FlightData::new().with_app_metadata(message(SliceMessageKind::Metrics(metrics))))

@@ -1,5 +1,8 @@
 //! A Parquet reader that answers metadata requests from the catalog's
-//! in-memory copy, so a request never re-reads a footer or page index.
+//! in-memory copy, so a request never re-reads a footer or page index, and
+//! verifies every page it reads against the slice's page checksums: a read
+//! is widened to whole pages, and a page that fails marks the slice's copy
+//! on this node corrupt (see `CatalogSlice::check_pages`).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -11,7 +14,7 @@ use datafusion_datasource::PartitionedFile;
 use datafusion_datasource_parquet::{ParquetFileMetrics, ParquetFileReaderFactory};
 use futures::future::BoxFuture;
 use futures::FutureExt;
-use object_store::{ObjectStore, ObjectStoreExt};
+use object_store::ObjectStore;
 use parquet::arrow::arrow_reader::ArrowReaderOptions;
 use parquet::arrow::async_reader::AsyncFileReader;
 use parquet::errors::ParquetError;
@@ -44,6 +47,7 @@ impl ParquetFileReaderFactory for SliceReaderFactory {
             store: Arc::clone(&self.store),
             location: partitioned_file.object_meta.location,
             metadata: Arc::clone(&self.slice.metadata),
+            slice: Arc::clone(&self.slice),
         }))
     }
 }
@@ -53,6 +57,42 @@ struct SliceReader {
     store: Arc<dyn ObjectStore>,
     location: object_store::path::Path,
     metadata: Arc<ParquetMetaData>,
+    slice: Arc<CatalogSlice>,
+}
+
+impl SliceReader {
+    /// Read `ranges`, each widened to the whole pages it touches, verify
+    /// every page read, and cut the answers back to the ranges asked for.
+    async fn read_checked(&self, ranges: Vec<Range<u64>>) -> parquet::errors::Result<Vec<Bytes>> {
+        let widened: Vec<Range<u64>> = ranges
+            .iter()
+            .map(|range| self.slice.widen(range.clone()))
+            .collect();
+        let read = self
+            .store
+            .get_ranges(&self.location, &widened)
+            .await
+            .map_err(|error| ParquetError::External(Box::new(error)))?;
+        let mut answers = Vec::with_capacity(ranges.len());
+        for ((range, wide), bytes) in ranges.iter().zip(&widened).zip(read) {
+            if bytes.len() as u64 != wide.end - wide.start {
+                return Err(ParquetError::General(format!(
+                    "{}: read {} bytes at {}, asked for {}",
+                    self.location,
+                    bytes.len(),
+                    wide.start,
+                    wide.end - wide.start
+                )));
+            }
+            self.slice
+                .check_pages(wide.start, &bytes)
+                .map_err(|corruption| ParquetError::External(Box::new(corruption)))?;
+            let start = (range.start - wide.start) as usize;
+            let end = (range.end - wide.start) as usize;
+            answers.push(bytes.slice(start..end));
+        }
+        Ok(answers)
+    }
 }
 
 impl AsyncFileReader for SliceReader {
@@ -61,10 +101,10 @@ impl AsyncFileReader for SliceReader {
             .bytes_scanned
             .add((range.end - range.start) as usize);
         async move {
-            self.store
-                .get_range(&self.location, range)
-                .await
-                .map_err(|error| ParquetError::External(Box::new(error)))
+            let mut answers = self.read_checked(vec![range]).await?;
+            answers
+                .pop()
+                .ok_or_else(|| ParquetError::General("a read returned nothing".to_string()))
         }
         .boxed()
     }
@@ -75,13 +115,7 @@ impl AsyncFileReader for SliceReader {
     ) -> BoxFuture<'_, parquet::errors::Result<Vec<Bytes>>> {
         let total: u64 = ranges.iter().map(|range| range.end - range.start).sum();
         self.file_metrics.bytes_scanned.add(total as usize);
-        async move {
-            self.store
-                .get_ranges(&self.location, &ranges)
-                .await
-                .map_err(|error| ParquetError::External(Box::new(error)))
-        }
-        .boxed()
+        async move { self.read_checked(ranges).await }.boxed()
     }
 
     fn get_metadata<'a>(
