@@ -14,6 +14,7 @@ use datafusion_proto::physical_plan::DefaultPhysicalExtensionCodec;
 use futures::StreamExt;
 use prost::Message;
 use sieve_cli::cluster::{generated_tpch, EmbeddedCluster};
+use sieve_compute::{AuthenticatedFlightClient, BearerAuth};
 use sieve_format::SliceLayout;
 use sieve_fragment::{schema_fingerprint, Fragment, FragmentBody, FragmentEnvelope, IpcCodec};
 use tonic::Code;
@@ -43,7 +44,7 @@ fn first_column(schema: &arrow::datatypes::Schema) -> Vec<u8> {
 
 struct Fixture {
     _cluster: EmbeddedCluster,
-    client: FlightServiceClient<tonic::transport::Channel>,
+    client: AuthenticatedFlightClient,
     schema: arrow::datatypes::SchemaRef,
 }
 
@@ -60,7 +61,10 @@ async fn fixture_with(options: sieve_storage::ExecuteOptions) -> Fixture {
         .connect()
         .await
         .unwrap();
-    let client = FlightServiceClient::new(channel);
+    let client = FlightServiceClient::with_interceptor(
+        channel,
+        BearerAuth::new(Some(cluster.secret())).unwrap(),
+    );
     let schema = Arc::clone(
         &cluster.nodes[0]
             .executor()
@@ -79,7 +83,7 @@ async fn fixture_with(options: sieve_storage::ExecuteOptions) -> Fixture {
 /// Send `ticket` and return the status the node answers with (first error
 /// of the call or of the stream), or None if the whole stream succeeded.
 async fn status_of(
-    client: &mut FlightServiceClient<tonic::transport::Channel>,
+    client: &mut AuthenticatedFlightClient,
     ticket: Vec<u8>,
 ) -> Option<tonic::Status> {
     match client.do_get(Ticket::new(ticket)).await {

@@ -45,7 +45,9 @@ pub use build_keys::{BuildKeys, BuildKeysExec, CollectedKeys};
 pub use catalog::{
     ClusterCatalog, ClusterSlice, ClusterTable, NodeState, Recovery, NODE_SUSPECT_MS,
 };
-pub use client::{as_node_failure, NodeFailure, SlicePart, StorageClient};
+pub use client::{
+    as_node_failure, AuthenticatedFlightClient, BearerAuth, NodeFailure, SlicePart, StorageClient,
+};
 pub use config::{NdpMode, SieveConfig};
 pub use early_start::{EarlyStartExec, StartScansEarly};
 pub use failover::FailoverSettings;

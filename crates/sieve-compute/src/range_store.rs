@@ -11,12 +11,15 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::stream::BoxStream;
+use http::header::{HeaderMap, HeaderValue, AUTHORIZATION};
 use object_store::http::HttpBuilder;
 use object_store::path::Path;
 use object_store::{
     ClientOptions, CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta,
     ObjectStore, ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
 };
+
+use sieve_fragment::Secret;
 
 use crate::Traffic;
 
@@ -31,14 +34,35 @@ pub struct ClusterRangeStore {
 }
 
 impl ClusterRangeStore {
-    /// A store over the range endpoints at `base_urls` (`http://host:port`), one per node.
-    pub fn try_new(base_urls: &[String], traffic: Arc<Traffic>) -> object_store::Result<Self> {
+    /// A store over the range endpoints at `base_urls` (`http://host:port`),
+    /// one per node, sending `secret` with every request (`None`: nodes
+    /// without one).
+    pub fn try_new(
+        base_urls: &[String],
+        secret: Option<&Secret>,
+        traffic: Arc<Traffic>,
+    ) -> object_store::Result<Self> {
+        let mut headers = HeaderMap::new();
+        if let Some(secret) = secret {
+            let mut value = HeaderValue::from_str(&secret.bearer()).map_err(|_| {
+                object_store::Error::Generic {
+                    store: "ClusterRangeStore",
+                    source: "the storage secret cannot be sent as a header".into(),
+                }
+            })?;
+            value.set_sensitive(true);
+            headers.insert(AUTHORIZATION, value);
+        }
         let nodes = base_urls
             .iter()
             .map(|url| {
                 HttpBuilder::new()
                     .with_url(url)
-                    .with_client_options(ClientOptions::new().with_allow_http(true))
+                    .with_client_options(
+                        ClientOptions::new()
+                            .with_allow_http(true)
+                            .with_default_headers(headers.clone()),
+                    )
                     .build()
                     .map(|store| Arc::new(store) as Arc<dyn ObjectStore>)
             })

@@ -129,7 +129,7 @@ pub(crate) fn raw_stream(
             let slice = Arc::clone(&slice);
             async move {
                 let bytes = tokio::task::spawn_blocking(move || {
-                    let file = std::fs::File::open(&slice.path)?;
+                    let file = crate::catalog::open_slice_file(&slice.path)?;
                     let mut buffer = vec![0u8; length as usize];
                     file.read_exact_at(&mut buffer, offset)?;
                     Ok::<_, std::io::Error>(buffer)
