@@ -26,6 +26,13 @@ use crate::Traffic;
 /// The URL DataFusion knows this store by.
 pub(crate) const CLUSTER_RANGE_URL: &str = "sieve-range://cluster";
 
+/// How long an idle byte-range connection stays in the client's pool, in
+/// milliseconds: below the storage node's header-read timeout (10 s), which
+/// closes a kept-alive connection that sends no next request, so the client
+/// drops its idle connections before the node does and never sends a request
+/// on one the node is closing.
+const POOL_IDLE_TIMEOUT_MS: u64 = 5_000;
+
 /// Byte-range reads from every storage node.
 #[derive(Debug)]
 pub struct ClusterRangeStore {
@@ -61,6 +68,9 @@ impl ClusterRangeStore {
                     .with_client_options(
                         ClientOptions::new()
                             .with_allow_http(true)
+                            .with_pool_idle_timeout(std::time::Duration::from_millis(
+                                POOL_IDLE_TIMEOUT_MS,
+                            ))
                             .with_default_headers(headers.clone()),
                     )
                     .build()
