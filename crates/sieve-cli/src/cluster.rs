@@ -6,13 +6,19 @@ use std::sync::atomic::Ordering;
 
 use datafusion::common::Result;
 use sieve_format::{generate_tpch, is_generated, node_directory, SliceLayout};
-use sieve_storage::{ExecuteOptions, StorageNode, StorageNodeConfig};
+use sieve_fragment::Secret;
+use sieve_storage::{ConnectionLimits, ExecuteOptions, StorageNode, StorageNodeConfig};
 
-/// Storage nodes started in this process, one per `node-K` directory.
+use crate::secret::random_secret;
+
+/// Storage nodes started in this process, one per `node-K` directory,
+/// sharing a secret made for this start: connect with
+/// `connect_session(&cluster.urls(), Some(cluster.secret()))`.
 #[derive(Debug)]
 pub struct EmbeddedCluster {
     /// The running nodes.
     pub nodes: Vec<StorageNode>,
+    secret: Secret,
 }
 
 impl EmbeddedCluster {
@@ -24,7 +30,18 @@ impl EmbeddedCluster {
 
     /// Like [`Self::start`], with these executor settings on every node.
     pub async fn start_with(root: &Path, nodes: usize, execute: ExecuteOptions) -> Result<Self> {
+        Self::start_with_limits(root, nodes, execute, ConnectionLimits::default()).await
+    }
+
+    /// Like [`Self::start_with`], with these connection bounds on every node.
+    pub async fn start_with_limits(
+        root: &Path,
+        nodes: usize,
+        execute: ExecuteOptions,
+        limits: ConnectionLimits,
+    ) -> Result<Self> {
         let loopback: SocketAddr = "127.0.0.1:0".parse().expect("valid address");
+        let secret = random_secret()?;
         let mut started = Vec::with_capacity(nodes);
         for node in 0..nodes {
             started.push(
@@ -33,11 +50,21 @@ impl EmbeddedCluster {
                     flight_address: loopback,
                     range_address: loopback,
                     execute: execute.clone(),
+                    auth: Some(secret.clone()),
+                    limits: limits.clone(),
                 })
                 .await?,
             );
         }
-        Ok(Self { nodes: started })
+        Ok(Self {
+            nodes: started,
+            secret,
+        })
+    }
+
+    /// The secret every node of this cluster requires.
+    pub fn secret(&self) -> &Secret {
+        &self.secret
     }
 
     /// Like [`Self::start`], with no pushdown workers: every slice is served

@@ -5,6 +5,8 @@ use std::time::{Duration, Instant};
 
 use datafusion::common::{exec_err, Result};
 use sieve_compute::{connect_session, SieveSession};
+
+use crate::secret::load_secret;
 use sieve_format::{is_generated, SliceLayout};
 
 use crate::cluster::EmbeddedCluster;
@@ -116,15 +118,16 @@ async fn timed(session: &SieveSession, sql: &str) -> Result<Timed> {
 /// Run the demo and return one report per query. Fails if NDP on and off
 /// ever disagree on a result.
 pub async fn run_demo(options: &DemoOptions) -> Result<Vec<QueryReport>> {
-    let (_cluster, urls) = if options.cluster.is_empty() {
+    let (_cluster, urls, secret) = if options.cluster.is_empty() {
         let root = ensure_data(options)?;
         let cluster = EmbeddedCluster::start(&root, options.nodes).await?;
         let urls = cluster.urls();
-        (Some(cluster), urls)
+        let secret = Some(cluster.secret().clone());
+        (Some(cluster), urls, secret)
     } else {
-        (None, options.cluster.clone())
+        (None, options.cluster.clone(), load_secret(None)?)
     };
-    let session = connect_session(&urls).await?;
+    let session = connect_session(&urls, secret.as_ref()).await?;
     session.apply_settings(&options.settings)?;
     let mut reports = Vec::new();
     for (name, sql) in TPCH_QUERIES {

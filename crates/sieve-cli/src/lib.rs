@@ -16,3 +16,4 @@ pub mod compare;
 pub mod demo;
 pub mod fuzz;
 pub mod queries;
+pub mod secret;

@@ -12,6 +12,7 @@ use sieve_cli::bench::{run_bench, BenchOptions, LinkSpec, Mode};
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::demo::{ensure_data, format_table, run_demo, DemoOptions};
 use sieve_cli::fuzz::{mismatches_as_error, run_fuzz, FuzzOptions, Mode as FuzzMode};
+use sieve_cli::secret::{load_secret, SECRET_ENV};
 use sieve_compute::connect_session;
 use sieve_format::{generate_tpch, SliceLayout};
 use sieve_storage::{ExecuteOptions, StorageNode, StorageNodeConfig};
@@ -178,6 +179,15 @@ enum Command {
         /// Longest wait for a pushdown worker before a slice is served raw, ms.
         #[arg(long, default_value_t = sieve_storage::DEFAULT_PUSHDOWN_WAIT_MS)]
         pushdown_wait_ms: u64,
+        /// File holding the shared secret every request must carry
+        /// (`Authorization: Bearer <secret>`). Without it, the secret is
+        /// read from the environment variable SIEVE_SECRET.
+        #[arg(long)]
+        secret_file: Option<PathBuf>,
+        /// Serve anyone who can connect, without a secret. Only for a
+        /// trusted, isolated network.
+        #[arg(long, conflicts_with = "secret_file")]
+        insecure_no_auth: bool,
     },
     /// Differential fuzzing: random tables and queries through Sieve in
     /// several modes, each result compared with plain DataFusion over the
@@ -229,6 +239,11 @@ enum Command {
         /// Data directory of the embedded cluster.
         #[arg(long, default_value = "sieve-data")]
         data: PathBuf,
+        /// File holding the storage nodes' shared secret (for --cluster).
+        /// Without it, the secret is read from the environment variable
+        /// SIEVE_SECRET; with neither, requests carry no credential.
+        #[arg(long)]
+        secret_file: Option<PathBuf>,
     },
 }
 
@@ -434,8 +449,27 @@ async fn run(cli: Cli) -> Result<()> {
             pushdown_workers,
             pushdown_queue,
             pushdown_wait_ms,
+            secret_file,
+            insecure_no_auth,
         } => {
             let ipc_compression = sieve_fragment::IpcCodec::parse(&ipc_compression)?;
+            let auth = match load_secret(secret_file.as_deref())? {
+                Some(secret) if !insecure_no_auth => Some(secret),
+                Some(_) => {
+                    return datafusion::common::plan_err!(
+                        "--insecure-no-auth with {SECRET_ENV} set: unset {SECRET_ENV}, or drop --insecure-no-auth"
+                    )
+                }
+                None if insecure_no_auth => {
+                    eprintln!("warning: --insecure-no-auth: this node serves anyone who can connect");
+                    None
+                }
+                None => {
+                    return datafusion::common::plan_err!(
+                        "a storage node needs a shared secret: give --secret-file FILE or set {SECRET_ENV} (or, on a trusted isolated network only, --insecure-no-auth)"
+                    )
+                }
+            };
             let node = StorageNode::start(StorageNodeConfig {
                 data_directory: data.clone(),
                 flight_address: listen,
@@ -449,6 +483,8 @@ async fn run(cli: Cli) -> Result<()> {
                     pushdown_wait: std::time::Duration::from_millis(pushdown_wait_ms),
                     ..ExecuteOptions::default()
                 },
+                auth,
+                limits: sieve_storage::ConnectionLimits::default(),
             })
             .await?;
             println!(
@@ -467,8 +503,10 @@ async fn run(cli: Cli) -> Result<()> {
             file,
             sf,
             data,
+            secret_file,
         } => {
             let mut embedded = None;
+            let mut secret = load_secret(secret_file.as_deref())?;
             let urls = if cluster.is_empty() {
                 let options = DemoOptions {
                     scale_factor: sf,
@@ -483,12 +521,13 @@ async fn run(cli: Cli) -> Result<()> {
                 let root = ensure_data(&options)?;
                 let started = EmbeddedCluster::start(&root, 3).await?;
                 let urls = started.urls();
+                secret = Some(started.secret().clone());
                 embedded = Some(started);
                 urls
             } else {
                 cluster
             };
-            let session = connect_session(&urls).await?;
+            let session = connect_session(&urls, secret.as_ref()).await?;
             let result = if let Some(sql) = command {
                 run_statements(&session.context, &sql).await
             } else if let Some(file) = file {

@@ -203,7 +203,9 @@ async fn check_cases(session: &SieveSession, reference: &SessionContext) {
 async fn pushed_aggregates_over_raw_slices_equal_plain_datafusion() {
     let root = data("raw");
     let cluster = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls()).await.unwrap();
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
     let reference = reference_context_for(&root, NODES, &["edge", "big"])
         .await
         .unwrap();
@@ -218,7 +220,9 @@ async fn pushed_aggregates_over_raw_slices_equal_plain_datafusion() {
 async fn pushed_aggregates_equal_plain_datafusion_on_the_edge_cases() {
     let root = data("processed");
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls()).await.unwrap();
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
     let reference = reference_context_for(&root, NODES, &["edge", "big"])
         .await
         .unwrap();

@@ -14,8 +14,11 @@ use prost::Message;
 use sieve_cli::cluster::{generated_tpch, EmbeddedCluster};
 use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_cli::queries::{is_ordered, TPCH_QUERIES};
-use sieve_compute::{connect_session, SieveScanExec, SieveSession};
+use sieve_compute::{
+    connect_session, AuthenticatedFlightClient, BearerAuth, SieveScanExec, SieveSession,
+};
 use sieve_format::SliceLayout;
+use sieve_fragment::Secret;
 use sieve_fragment::{Fragment, FragmentEnvelope, IpcCodec, SliceMessage, SliceMessageKind};
 use sieve_storage::ExecuteOptions;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -62,7 +65,9 @@ async fn run_with_scan_metrics(
 async fn without_pushdown_workers_every_slice_is_raw_and_results_are_identical() {
     let root = test_data();
     let cluster = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls()).await.unwrap();
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
     let reference = reference_context(&root, NODES).await.unwrap();
     let mut total_slices = 0;
     for (name, sql) in TPCH_QUERIES {
@@ -130,9 +135,10 @@ async fn a_small_pool_under_concurrent_queries_mixes_raw_and_processed_slices() 
     let mut streams = Vec::new();
     for stream in 0..4 {
         let urls = cluster.urls();
+        let secret = cluster.secret().clone();
         let expected = Arc::clone(&expected);
         streams.push(tokio::spawn(async move {
-            let session = connect_session(&urls).await.unwrap();
+            let session = connect_session(&urls, Some(&secret)).await.unwrap();
             for step in 0..queries.len() {
                 let index = (step + stream * 3) % queries.len();
                 let (_, sql) = TPCH_QUERIES
@@ -186,7 +192,7 @@ fn whole_slice_ticket(schema: &arrow::datatypes::Schema, table: &str) -> Vec<u8>
 
 /// Read a whole DoGet answer and return its metrics trailer.
 async fn trailer_of(
-    client: &mut FlightServiceClient<tonic::transport::Channel>,
+    client: &mut AuthenticatedFlightClient,
     ticket: Vec<u8>,
 ) -> sieve_fragment::SliceMetrics {
     let mut stream = client
@@ -210,16 +216,16 @@ async fn trailer_of(
 }
 
 /// A Flight client on its own connection.
-async fn connect(url: String) -> FlightServiceClient<tonic::transport::Channel> {
+async fn connect(url: String, secret: &Secret) -> AuthenticatedFlightClient {
     let channel = tonic::transport::Endpoint::from_shared(url)
         .unwrap()
         .connect()
         .await
         .unwrap();
-    FlightServiceClient::new(channel)
+    FlightServiceClient::with_interceptor(channel, BearerAuth::new(Some(secret)).unwrap())
 }
 
-async fn stats(client: &mut FlightServiceClient<tonic::transport::Channel>) -> serde_json::Value {
+async fn stats(client: &mut AuthenticatedFlightClient) -> serde_json::Value {
     let mut results = client
         .do_action(arrow_flight::Action::new("stats", ""))
         .await
@@ -230,10 +236,16 @@ async fn stats(client: &mut FlightServiceClient<tonic::transport::Channel>) -> s
 }
 
 /// Ask the byte-range endpoint for the last 4 bytes of `path`.
-async fn range_read(address: std::net::SocketAddr, path: &str, size: u64) -> String {
+async fn range_read(
+    address: std::net::SocketAddr,
+    path: &str,
+    size: u64,
+    secret: &Secret,
+) -> String {
     let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
     let request = format!(
-        "GET {path} HTTP/1.1\r\nHost: {address}\r\nRange: bytes={}-{}\r\nConnection: close\r\n\r\n",
+        "GET {path} HTTP/1.1\r\nHost: {address}\r\nAuthorization: {}\r\nRange: bytes={}-{}\r\nConnection: close\r\n\r\n",
+        secret.bearer(),
         size - 4,
         size - 1
     );
@@ -266,7 +278,7 @@ async fn a_node_busy_with_pushdown_still_answers_plain_reads_and_catalog_request
 
     // Occupy the only pushdown worker: a whole lineitem slice, uncompressed,
     // asked for and never read, so the worker blocks on a full connection.
-    let mut holder = connect(node.flight_url()).await;
+    let mut holder = connect(node.flight_url(), cluster.secret()).await;
     let held = holder
         .do_get(Ticket::new(whole_slice_ticket(
             &lineitem_schema,
@@ -274,7 +286,7 @@ async fn a_node_busy_with_pushdown_still_answers_plain_reads_and_catalog_request
         )))
         .await
         .unwrap();
-    let mut client = connect(node.flight_url()).await;
+    let mut client = connect(node.flight_url(), cluster.secret()).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     while stats(&mut client).await["pushdown_running"] != 1 {
         assert!(Instant::now() < deadline, "the held request never started");
@@ -317,6 +329,7 @@ async fn a_node_busy_with_pushdown_still_answers_plain_reads_and_catalog_request
             node.range_address(),
             &format!("/slices/lineitem/{}", lineitem.summary.file),
             lineitem.summary.bytes,
+            cluster.secret(),
         ),
     )
     .await
@@ -362,7 +375,9 @@ async fn a_node_busy_with_pushdown_still_answers_plain_reads_and_catalog_request
 async fn parallelism_on_three_levels_is_in_the_scan_metrics() {
     let root = test_data();
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls()).await.unwrap();
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
     session
         .context
         .sql("set datafusion.execution.target_partitions = 2")

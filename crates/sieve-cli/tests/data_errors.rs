@@ -123,14 +123,18 @@ async fn a_data_error_in_a_pushed_filter_is_raised_once_without_failover() {
     }
 
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls()).await.unwrap();
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
     check(&session, "processed").await;
     let (_, served) = cluster.slices_raw_and_served();
     assert!(served > 0);
 
     // Raw slices: the compute node runs the fragment and meets the same error.
     let raw = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();
-    let raw_session = connect_session(&raw.urls()).await.unwrap();
+    let raw_session = connect_session(&raw.urls(), Some(raw.secret()))
+        .await
+        .unwrap();
     check(&raw_session, "raw").await;
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -67,7 +67,9 @@ fn deep_filters_get_their_answer_on_the_compute_node() {
             .await
             .unwrap();
         let cluster = EmbeddedCluster::start(&root, common::NODES).await.unwrap();
-        let session = connect_session(&cluster.urls()).await.unwrap();
+        let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+            .await
+            .unwrap();
 
         // EXPLAIN says why the filter stays here.
         let plan = run(&session.context, &format!("explain {}", chain(60)))
@@ -136,7 +138,10 @@ fn a_storage_node_refuses_a_deep_fragment_and_keeps_serving() {
             .connect()
             .await
             .unwrap();
-        let mut client = FlightServiceClient::new(channel);
+        let mut client = FlightServiceClient::with_interceptor(
+            channel,
+            sieve_compute::BearerAuth::new(Some(cluster.secret())).unwrap(),
+        );
         let slice = *cluster.nodes[0]
             .executor()
             .catalog()
@@ -187,7 +192,9 @@ fn a_storage_node_refuses_a_deep_fragment_and_keeps_serving() {
             );
         }
         // Still serving.
-        let session = connect_session(&cluster.urls()).await.unwrap();
+        let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+            .await
+            .unwrap();
         let rows = run(&session.context, "select count(*) from lineitem")
             .await
             .unwrap();

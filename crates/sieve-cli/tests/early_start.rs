@@ -29,7 +29,9 @@ fn table(scan: &Arc<dyn ExecutionPlan>) -> String {
 async fn small_scans_start_with_the_query_and_answers_stay_plain_datafusions() {
     let root = common::small_slices(1);
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls()).await.unwrap();
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
     let reference = reference_context(&root, NODES).await.unwrap();
     let (_, q16) = TPCH_QUERIES
         .iter()
@@ -92,7 +94,9 @@ async fn small_scans_start_with_the_query_and_answers_stay_plain_datafusions() {
 async fn a_scan_started_early_but_never_read_is_dropped_with_the_query() {
     let root = common::small_slices(1);
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls()).await.unwrap();
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
     // Without join filters orders starts early too; the build side
     // (customer, no row matches) is empty, so the join never reads orders.
     session

@@ -25,7 +25,9 @@ async fn start() -> (PathBuf, EmbeddedCluster, SieveSession) {
     let cluster = EmbeddedCluster::start(&root, NODES)
         .await
         .expect("start storage nodes");
-    let session = connect_session(&cluster.urls()).await.expect("connect");
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .expect("connect");
     (root, cluster, session)
 }
 

@@ -32,7 +32,9 @@ async fn start(root: &std::path::Path) -> (EmbeddedCluster, SieveSession) {
     )
     .await
     .unwrap();
-    let session = connect_session(&cluster.urls()).await.unwrap();
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
     (cluster, session)
 }
 

@@ -87,7 +87,9 @@ async fn float_predicates_keep_nan_rows_that_statistics_leave_out() {
         "the reference counts every NaN"
     );
     for (cluster, mode) in [(&processed, "processed"), (&raw, "raw")] {
-        let session = connect_session(&cluster.urls()).await.unwrap();
+        let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+            .await
+            .unwrap();
         for ndp in [true, false] {
             session.set_ndp(ndp).unwrap();
             for sql in queries {
@@ -135,7 +137,9 @@ async fn a_filter_over_both_sides_of_a_self_join_stays_above_it() {
     write_slice(&path, &schema, &SliceLayout::default(), [Ok(batch)]).unwrap();
     let reference = reference_context_for(&root, 1, &["t"]).await.unwrap();
     let cluster = EmbeddedCluster::start(&root, 1).await.unwrap();
-    let session = connect_session(&cluster.urls()).await.unwrap();
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
     // `a` never matches (NULL keys), so `concat(a.s, 'ó')` is 'ó'.
     let joined = "SELECT count(*) FROM t AS a RIGHT JOIN t AS b ON a.k = b.k \
                   WHERE b.s < concat(a.s, 'ó') AND b.id >= 0";

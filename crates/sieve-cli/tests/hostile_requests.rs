@@ -14,6 +14,7 @@ use datafusion_proto::physical_plan::DefaultPhysicalExtensionCodec;
 use futures::StreamExt;
 use prost::Message;
 use sieve_cli::cluster::{generated_tpch, EmbeddedCluster};
+use sieve_compute::{AuthenticatedFlightClient, BearerAuth};
 use sieve_format::SliceLayout;
 use sieve_fragment::{schema_fingerprint, Fragment, FragmentBody, FragmentEnvelope, IpcCodec};
 use tonic::Code;
@@ -43,7 +44,7 @@ fn first_column(schema: &arrow::datatypes::Schema) -> Vec<u8> {
 
 struct Fixture {
     _cluster: EmbeddedCluster,
-    client: FlightServiceClient<tonic::transport::Channel>,
+    client: AuthenticatedFlightClient,
     schema: arrow::datatypes::SchemaRef,
 }
 
@@ -60,7 +61,10 @@ async fn fixture_with(options: sieve_storage::ExecuteOptions) -> Fixture {
         .connect()
         .await
         .unwrap();
-    let client = FlightServiceClient::new(channel);
+    let client = FlightServiceClient::with_interceptor(
+        channel,
+        BearerAuth::new(Some(cluster.secret())).unwrap(),
+    );
     let schema = Arc::clone(
         &cluster.nodes[0]
             .executor()
@@ -79,7 +83,7 @@ async fn fixture_with(options: sieve_storage::ExecuteOptions) -> Fixture {
 /// Send `ticket` and return the status the node answers with (first error
 /// of the call or of the stream), or None if the whole stream succeeded.
 async fn status_of(
-    client: &mut FlightServiceClient<tonic::transport::Channel>,
+    client: &mut AuthenticatedFlightClient,
     ticket: Vec<u8>,
 ) -> Option<tonic::Status> {
     match client.do_get(Ticket::new(ticket)).await {
@@ -334,12 +338,16 @@ async fn a_node_serving_raw_refuses_the_same_requests() {
 /// and headers (lower-cased names), the body dropped.
 async fn http(
     address: std::net::SocketAddr,
+    secret: &sieve_fragment::Secret,
     request_line: &str,
     extra: &str,
 ) -> (String, Vec<(String, String)>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
-    let request = format!("{request_line}\r\nHost: {address}\r\n{extra}Connection: close\r\n\r\n");
+    let request = format!(
+        "{request_line}\r\nHost: {address}\r\nAuthorization: {}\r\n{extra}Connection: close\r\n\r\n",
+        secret.bearer()
+    );
     stream.write_all(request.as_bytes()).await.unwrap();
     let mut answer = Vec::new();
     stream.read_to_end(&mut answer).await.unwrap();
@@ -366,6 +374,7 @@ async fn byte_range_endpoint_names_the_file_version_and_refuses_what_it_does_not
     let fixture = fixture().await;
     let node = &fixture._cluster.nodes[0];
     let address = node.range_address();
+    let secret = fixture._cluster.secret();
     let catalog = node.executor().catalog();
     let (_, slice) = catalog.slice("region", 1).unwrap();
     let path = format!("/slices/region/{}", slice.summary.file);
@@ -373,7 +382,7 @@ async fn byte_range_endpoint_names_the_file_version_and_refuses_what_it_does_not
     // HTTP readers that cache (DuckDB's httpfs) validate with ETag and
     // Last-Modified; both are present, and stable from one request to the
     // next, for HEAD, a whole GET and a range.
-    let (status, head) = http(address, &format!("HEAD {path} HTTP/1.1"), "").await;
+    let (status, head) = http(address, secret, &format!("HEAD {path} HTTP/1.1"), "").await;
     assert!(status.starts_with("HTTP/1.1 200"), "{status}");
     let etag = header(&head, "etag").expect("ETag").to_string();
     assert!(
@@ -393,11 +402,12 @@ async fn byte_range_endpoint_names_the_file_version_and_refuses_what_it_does_not
         header(&head, "content-length"),
         Some(slice.summary.bytes.to_string().as_str())
     );
-    let (status, whole) = http(address, &format!("GET {path} HTTP/1.1"), "").await;
+    let (status, whole) = http(address, secret, &format!("GET {path} HTTP/1.1"), "").await;
     assert!(status.starts_with("HTTP/1.1 200"), "{status}");
     assert_eq!(header(&whole, "etag"), Some(etag.as_str()));
     let (status, ranged) = http(
         address,
+        secret,
         &format!("GET {path} HTTP/1.1"),
         "Range: bytes=-8\r\n",
     )
@@ -424,11 +434,12 @@ async fn byte_range_endpoint_names_the_file_version_and_refuses_what_it_does_not
         "/slices/nosuch/x.parquet",
         "/slices/region/x.parquet",
     ] {
-        let (status, _) = http(address, &format!("GET {hostile} HTTP/1.1"), "").await;
+        let (status, _) = http(address, secret, &format!("GET {hostile} HTTP/1.1"), "").await;
         assert!(status.starts_with("HTTP/1.1 404"), "{hostile}: {status}");
     }
     let (status, _) = http(
         address,
+        secret,
         &format!("GET {path} HTTP/1.1"),
         &format!("Range: bytes={}-\r\n", slice.summary.bytes + 10),
     )

@@ -6,7 +6,6 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use arrow_flight::flight_service_client::FlightServiceClient;
 use parquet::file::metadata::{PageIndexPolicy, ParquetMetaDataReader};
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context, rows_as_text, run};
@@ -83,27 +82,20 @@ fn flip_a_page_byte(path: &Path) {
     std::fs::write(path, bytes).unwrap();
 }
 
-async fn stats(url: &str) -> serde_json::Value {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = FlightServiceClient::new(channel);
-    let mut results = client
-        .do_action(arrow_flight::Action::new("stats", ""))
+async fn stats(url: &str, secret: &sieve_fragment::Secret) -> serde_json::Value {
+    sieve_compute::StorageClient::connect(url, Some(secret))
         .await
         .unwrap()
-        .into_inner();
-    let result = results.message().await.unwrap().unwrap();
-    serde_json::from_slice(&result.body).unwrap()
+        .stats()
+        .await
+        .unwrap()
 }
 
 /// Files every node of `cluster` reports under `key` in its stats.
 async fn reported(cluster: &EmbeddedCluster, key: &str) -> Vec<String> {
     let mut files = Vec::new();
     for url in cluster.urls() {
-        let stats = stats(&url).await;
+        let stats = stats(&url, cluster.secret()).await;
         for file in stats[key].as_array().unwrap() {
             files.push(file.as_str().unwrap().to_string());
         }
@@ -134,7 +126,9 @@ async fn a_corrupt_page_costs_a_retry_on_a_healthy_replica_not_the_answer() {
         } else {
             EmbeddedCluster::start(&root, NODES).await.unwrap()
         };
-        let session = connect_session(&cluster.urls()).await.unwrap();
+        let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+            .await
+            .unwrap();
         for (name, sql) in queries() {
             let expected = rows_as_text(&run(&reference, sql).await.unwrap(), true).unwrap();
             // Twice: the second time the damaged copies are refused at once.
@@ -196,7 +190,9 @@ async fn without_a_healthy_copy_the_query_fails_naming_the_slice() {
     let path = slice_path(&node_directory(&root, node), "lineitem", 2);
     flip_a_page_byte(&path);
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls()).await.unwrap();
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
     let sql = "select sum(l_extendedprice) from lineitem";
     for round in 0..2 {
         let error = run(&session.context, sql)
@@ -255,7 +251,9 @@ async fn a_truncated_slice_file_at_startup_is_named_and_the_rest_served() {
         "{unreadable:?}"
     );
     // The other copy of slice 1 and every other slice are served.
-    let session = connect_session(&cluster.urls()).await.unwrap();
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
     for (name, sql) in queries() {
         let expected = rows_as_text(&run(&reference, sql).await.unwrap(), true).unwrap();
         let actual = run(&session.context, sql)

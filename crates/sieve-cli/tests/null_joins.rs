@@ -184,7 +184,9 @@ async fn joins_over_null_keys_equal_plain_datafusion() {
         .await
         .unwrap();
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls()).await.unwrap();
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
     check(&session, &reference, "defaults").await;
 
     // The null-equal join's filter keeps the NULL probe rows, and says so.
@@ -201,7 +203,9 @@ async fn joins_over_null_keys_equal_plain_datafusion() {
 
     // Every slice raw: the compute node runs the same fragments.
     let raw = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();
-    let raw_session = connect_session(&raw.urls()).await.unwrap();
+    let raw_session = connect_session(&raw.urls(), Some(raw.secret()))
+        .await
+        .unwrap();
     check(&raw_session, &reference, "raw").await;
     let (raw_slices, served) = raw.slices_raw_and_served();
     assert!(served > 0 && raw_slices == served);

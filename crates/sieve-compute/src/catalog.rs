@@ -9,6 +9,7 @@ use arrow::datatypes::SchemaRef;
 use datafusion::common::stats::Precision;
 use datafusion::common::{plan_err, ColumnStatistics, Result, ScalarValue, Statistics};
 use sieve_format::SliceSummary;
+use sieve_fragment::Secret;
 
 use crate::client::StorageClient;
 
@@ -119,13 +120,15 @@ impl ClusterCatalog {
     /// Connect to every storage node and merge what they hold. A slice held
     /// by several nodes is one slice with replicas; a table whose schema
     /// differs between nodes, or replicas that differ, is an error.
-    pub async fn discover(urls: &[String]) -> Result<Self> {
+    /// Every call carries `secret` (`None`: nodes without one).
+    pub async fn discover(urls: &[String], secret: Option<&Secret>) -> Result<Self> {
         if urls.is_empty() {
             return plan_err!("no storage nodes given");
         }
-        let clients =
-            futures::future::try_join_all(urls.iter().map(|url| StorageClient::connect(url)))
-                .await?;
+        let clients = futures::future::try_join_all(
+            urls.iter().map(|url| StorageClient::connect(url, secret)),
+        )
+        .await?;
         let listings =
             futures::future::try_join_all(clients.iter().map(|client| client.list_tables()))
                 .await?;

@@ -18,6 +18,9 @@ use sieve_fragment::{
     DataError, SliceMessage, SliceMessageKind, SliceMetrics, CORRUPT_FILE_METADATA,
     CORRUPT_SLICE_KIND, ERROR_KIND_METADATA,
 };
+use sieve_fragment::{Secret, AUTHORIZATION_HEADER};
+use tonic::metadata::AsciiMetadataValue;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
@@ -150,16 +153,66 @@ pub enum SlicePart {
     },
 }
 
+/// Adds `authorization: Bearer <secret>` to every Flight call, when there
+/// is a secret.
+#[derive(Clone, Default)]
+pub struct BearerAuth {
+    header: Option<AsciiMetadataValue>,
+}
+
+impl BearerAuth {
+    /// Calls carrying `secret`, or no credential for `None`.
+    pub fn new(secret: Option<&Secret>) -> Result<Self> {
+        let header = secret
+            .map(|secret| {
+                secret.bearer().parse::<AsciiMetadataValue>().map_err(|_| {
+                    DataFusionError::Plan("the storage secret cannot be sent as a header".into())
+                })
+            })
+            .transpose()?;
+        Ok(Self { header })
+    }
+}
+
+impl std::fmt::Debug for BearerAuth {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = if self.header.is_some() {
+            "Bearer (redacted)"
+        } else {
+            "none"
+        };
+        write!(formatter, "BearerAuth({state})")
+    }
+}
+
+impl tonic::service::Interceptor for BearerAuth {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> std::result::Result<tonic::Request<()>, Status> {
+        if let Some(header) = &self.header {
+            request
+                .metadata_mut()
+                .insert(AUTHORIZATION_HEADER, header.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// A raw Flight client that authenticates every call.
+pub type AuthenticatedFlightClient = FlightServiceClient<InterceptedService<Channel, BearerAuth>>;
+
 /// A Flight client for one storage node.
 #[derive(Debug, Clone)]
 pub struct StorageClient {
     url: String,
-    client: FlightServiceClient<Channel>,
+    client: AuthenticatedFlightClient,
 }
 
 impl StorageClient {
-    /// Connect to the storage node at `url` (e.g. `http://127.0.0.1:50051`).
-    pub async fn connect(url: &str) -> Result<Self> {
+    /// Connect to the storage node at `url` (e.g. `http://127.0.0.1:50051`),
+    /// sending `secret` with every call (`None`: a node without one).
+    pub async fn connect(url: &str, secret: Option<&Secret>) -> Result<Self> {
         let endpoint = Endpoint::from_shared(url.to_string())
             .map_err(|error| {
                 DataFusionError::Plan(format!("invalid storage node address '{url}': {error}"))
@@ -169,7 +222,7 @@ impl StorageClient {
         let channel = endpoint.connect().await.map_err(|error| {
             exec_datafusion_err!("cannot connect to storage node {url}: {error}")
         })?;
-        let client = FlightServiceClient::new(channel)
+        let client = FlightServiceClient::with_interceptor(channel, BearerAuth::new(secret)?)
             .max_decoding_message_size(FLIGHT_MESSAGE_BYTES_MAX)
             .max_encoding_message_size(FLIGHT_MESSAGE_BYTES_MAX);
         Ok(Self {
@@ -442,7 +495,9 @@ impl StorageClient {
             }));
         }
         match (status.code(), data_error) {
-            (Code::InvalidArgument, _) => {
+            // A refused credential is the user's to fix, not the node's
+            // failure: every replica holds the same secret, so no retry.
+            (Code::InvalidArgument | Code::Unauthenticated, _) => {
                 DataFusionError::Plan(format!("storage node {}: {}", self.url, status.message()))
             }
             (Code::FailedPrecondition, Some(data_error)) => {

@@ -48,7 +48,8 @@ pub use catalog::{
     ClusterCatalog, ClusterSlice, ClusterTable, NodeState, Recovery, NODE_SUSPECT_MS,
 };
 pub use client::{
-    as_corrupt_replica, as_node_failure, CorruptReplica, NodeFailure, SlicePart, StorageClient,
+    as_corrupt_replica, as_node_failure, AuthenticatedFlightClient, BearerAuth, CorruptReplica,
+    NodeFailure, SlicePart, StorageClient,
 };
 pub use config::{NdpMode, SieveConfig};
 pub use deep::{

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::stream::BoxStream;
+use http::header::{HeaderMap, HeaderValue, AUTHORIZATION};
 use object_store::http::HttpBuilder;
 use object_store::path::Path;
 use object_store::{
@@ -18,10 +19,19 @@ use object_store::{
     ObjectStore, ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
 };
 
+use sieve_fragment::Secret;
+
 use crate::Traffic;
 
 /// The URL DataFusion knows this store by.
 pub(crate) const CLUSTER_RANGE_URL: &str = "sieve-range://cluster";
+
+/// How long an idle byte-range connection stays in the client's pool, in
+/// milliseconds: below the storage node's header-read timeout (10 s), which
+/// closes a kept-alive connection that sends no next request, so the client
+/// drops its idle connections before the node does and never sends a request
+/// on one the node is closing.
+const POOL_IDLE_TIMEOUT_MS: u64 = 5_000;
 
 /// Byte-range reads from every storage node.
 #[derive(Debug)]
@@ -31,14 +41,38 @@ pub struct ClusterRangeStore {
 }
 
 impl ClusterRangeStore {
-    /// A store over the range endpoints at `base_urls` (`http://host:port`), one per node.
-    pub fn try_new(base_urls: &[String], traffic: Arc<Traffic>) -> object_store::Result<Self> {
+    /// A store over the range endpoints at `base_urls` (`http://host:port`),
+    /// one per node, sending `secret` with every request (`None`: nodes
+    /// without one).
+    pub fn try_new(
+        base_urls: &[String],
+        secret: Option<&Secret>,
+        traffic: Arc<Traffic>,
+    ) -> object_store::Result<Self> {
+        let mut headers = HeaderMap::new();
+        if let Some(secret) = secret {
+            let mut value = HeaderValue::from_str(&secret.bearer()).map_err(|_| {
+                object_store::Error::Generic {
+                    store: "ClusterRangeStore",
+                    source: "the storage secret cannot be sent as a header".into(),
+                }
+            })?;
+            value.set_sensitive(true);
+            headers.insert(AUTHORIZATION, value);
+        }
         let nodes = base_urls
             .iter()
             .map(|url| {
                 HttpBuilder::new()
                     .with_url(url)
-                    .with_client_options(ClientOptions::new().with_allow_http(true))
+                    .with_client_options(
+                        ClientOptions::new()
+                            .with_allow_http(true)
+                            .with_pool_idle_timeout(std::time::Duration::from_millis(
+                                POOL_IDLE_TIMEOUT_MS,
+                            ))
+                            .with_default_headers(headers.clone()),
+                    )
                     .build()
                     .map(|store| Arc::new(store) as Arc<dyn ObjectStore>)
             })

@@ -8,6 +8,7 @@ use datafusion::execution::SessionStateBuilder;
 use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::prelude::{SessionConfig, SessionContext};
+use sieve_fragment::Secret;
 
 use crate::range_store::{ClusterRangeStore, CLUSTER_RANGE_URL};
 use crate::{
@@ -35,9 +36,10 @@ impl std::fmt::Debug for SieveSession {
     }
 }
 
-/// Connect to the storage nodes at `urls` and register every table they hold.
-pub async fn connect_session(urls: &[String]) -> Result<SieveSession> {
-    connect_session_with_config(urls, SessionConfig::new()).await
+/// Connect to the storage nodes at `urls` and register every table they
+/// hold; every request carries `secret` (`None`: nodes without one).
+pub async fn connect_session(urls: &[String], secret: Option<&Secret>) -> Result<SieveSession> {
+    connect_session_with_config(urls, secret, SessionConfig::new()).await
 }
 
 impl SieveSession {
@@ -88,9 +90,10 @@ pub fn physical_rules_without_static_filter_pushdown(
 /// Like [`connect_session`], starting from `config`.
 pub async fn connect_session_with_config(
     urls: &[String],
+    secret: Option<&Secret>,
     config: SessionConfig,
 ) -> Result<SieveSession> {
-    let catalog = Arc::new(ClusterCatalog::discover(urls).await?);
+    let catalog = Arc::new(ClusterCatalog::discover(urls, secret).await?);
     let traffic = Arc::new(Traffic::default());
     let sieve = SieveConfig::default();
     let mut config = config
@@ -136,6 +139,7 @@ pub async fn connect_session_with_config(
                 }
             })
             .collect::<Vec<_>>(),
+        secret,
         Arc::clone(&traffic),
     )
     .map_err(|error| DataFusionError::External(Box::new(error)))?;

@@ -32,6 +32,7 @@
 #![deny(missing_docs)]
 
 mod allow_list;
+mod auth;
 mod bitmap;
 mod bloom;
 mod codec;
@@ -47,6 +48,7 @@ mod wire;
 pub use allow_list::{
     check_allowed, check_plan_allowed, is_allowed_type, ALLOWED_AGGREGATES, ALLOWED_FUNCTIONS,
 };
+pub use auth::{Secret, AUTHORIZATION_HEADER, SECRET_BYTES_MAX, SECRET_BYTES_MIN};
 pub use bitmap::{KeyBitmapExpr, KEY_BITMAP_BYTES_MAX};
 pub use bloom::{BloomFilterExpr, BLOOM_FILTER_BYTES_MAX};
 pub use codec::{SieveCodec, SliceInputExec};

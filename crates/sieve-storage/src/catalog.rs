@@ -128,7 +128,15 @@ impl NodeCatalog {
         let mut table_dirs: Vec<_> = std::fs::read_dir(&root)?.collect::<std::io::Result<_>>()?;
         table_dirs.sort_by_key(|entry| entry.file_name());
         for table_dir in table_dirs {
+            // `file_type` does not follow symlinks: a linked table directory is skipped.
             if !table_dir.file_type()?.is_dir() {
+                if table_dir.file_type()?.is_symlink() {
+                    log::warn!(
+                        "not serving {}: a symlink; a table must be a directory inside the data directory {}",
+                        table_dir.path().display(),
+                        root.display()
+                    );
+                }
                 continue;
             }
             let table_name = table_dir.file_name().to_string_lossy().into_owned();
@@ -139,6 +147,14 @@ impl NodeCatalog {
                 let Some(slice_number) = parse_slice_number(&table_name, &file_name) else {
                     continue;
                 };
+                if let Some(reason) = outside_reason(&root, &entry) {
+                    log::warn!(
+                        "not serving {}: {reason}; a slice must be a regular file inside the data directory {}",
+                        entry.path().display(),
+                        root.display()
+                    );
+                    continue;
+                }
                 // A slice file that cannot be read is named and left out;
                 // the node serves the rest (other replicas hold its copies).
                 let (schema, slice) =
@@ -236,6 +252,37 @@ impl NodeCatalog {
     }
 }
 
+/// Why `entry` must not be served, if it must not: it is a symlink, not a
+/// regular file, or (through a linked directory or a bind mount) its
+/// canonical path is not under the canonical data directory `root`.
+fn outside_reason(root: &Path, entry: &std::fs::DirEntry) -> Option<String> {
+    let file_type = match entry.file_type() {
+        Ok(file_type) => file_type,
+        Err(error) => return Some(format!("its type cannot be read: {error}")),
+    };
+    if file_type.is_symlink() {
+        return Some("it is a symlink".to_string());
+    }
+    if !file_type.is_file() {
+        return Some("it is not a regular file".to_string());
+    }
+    match entry.path().canonicalize() {
+        Ok(canonical) if canonical.starts_with(root) => None,
+        Ok(canonical) => Some(format!("it resolves to {}", canonical.display())),
+        Err(error) => Some(format!("its path cannot be resolved: {error}")),
+    }
+}
+
+/// Open the slice file at `path` for reading, refusing a symlink (even one
+/// put in place after the catalog was read): `O_NOFOLLOW`.
+pub(crate) fn open_slice_file(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+}
+
 /// `lineitem-00003.parquet` in table `lineitem` is slice 3.
 fn parse_slice_number(table: &str, file_name: &str) -> Option<u32> {
     file_name
@@ -252,7 +299,7 @@ fn open_slice(
     slice: u32,
     path: &Path,
 ) -> Result<(SchemaRef, CatalogSlice)> {
-    let file = File::open(path)?;
+    let file = open_slice_file(path)?;
     let file_metadata = file.metadata()?;
     let bytes = file_metadata.len();
     let modified = file_metadata.modified()?;

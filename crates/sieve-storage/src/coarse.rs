@@ -13,7 +13,6 @@
 //! Each step counts the pages it rules out, over the columns the fragment
 //! needs, so the filtering ratio (pages read / pages considered) is exact.
 
-use std::fs::File;
 use std::sync::Arc;
 
 use arrow::datatypes::SchemaRef;
@@ -247,7 +246,7 @@ fn prune_by_bloom_filters(
     if !has_filters {
         return Ok((plan, 0));
     }
-    let file = File::open(&slice.path)?;
+    let file = crate::catalog::open_slice_file(&slice.path)?;
     let mut bytes_read = 0u64;
     let mut statistics = Vec::with_capacity(metadata.num_row_groups());
     for (group, access) in plan.inner().iter().enumerate() {

@@ -27,6 +27,7 @@ mod cpu;
 mod execute;
 mod faults;
 mod flight;
+mod limits;
 mod node;
 mod pool;
 mod range;
@@ -41,6 +42,12 @@ pub use execute::{
 };
 pub use faults::{Faults, FaultyStream};
 pub use flight::{StorageFlightService, STATS_ACTION};
+pub use limits::{
+    ConnectionLimits, GuardedStream, CONNECTIONS_MAX, FLIGHT_CONCURRENCY_PER_CONNECTION_MAX,
+    FLIGHT_REQUEST_TIMEOUT_MS, FLIGHT_STREAMS_PER_CONNECTION_MAX, HANDSHAKE_BYTES,
+    HANDSHAKE_TIMEOUT_MS, HEADER_READ_TIMEOUT_MS, HTTP2_KEEPALIVE_INTERVAL_MS,
+    HTTP2_KEEPALIVE_TIMEOUT_MS, IDLE_TIMEOUT_MS, TCP_KEEPALIVE_MS,
+};
 pub use node::{StorageNode, StorageNodeConfig};
 pub use pool::{Admission, PushdownPool, Slot};
 pub use raw::RAW_CHUNK_BYTES;

@@ -8,11 +8,14 @@ use std::sync::Arc;
 
 use arrow_flight::flight_service_server::FlightServiceServer;
 use datafusion::common::{DataFusionError, Result};
+use sieve_fragment::{Secret, AUTHORIZATION_HEADER};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+use tonic::service::interceptor::InterceptedService;
 
 use crate::faults::{Faults, FaultyStream};
+use crate::limits::{BoundedAcceptor, ConnectionLimits, GuardedStream};
 use crate::pool::PushdownPool;
 use crate::range::{router, RangeState};
 use crate::{ExecuteOptions, NodeCatalog, SliceExecutor, StorageFlightService};
@@ -32,6 +35,12 @@ pub struct StorageNodeConfig {
     pub range_address: SocketAddr,
     /// Executor settings.
     pub execute: ExecuteOptions,
+    /// The shared secret every request must carry (`authorization: Bearer
+    /// <secret>`, on Flight and on the byte-range endpoint); `None` serves
+    /// anyone who can connect, which only an explicit choice should give.
+    pub auth: Option<Secret>,
+    /// Bounds on connections, request times and streams.
+    pub limits: ConnectionLimits,
 }
 
 /// A started storage node. Dropping it stops both servers.
@@ -71,16 +80,17 @@ impl StorageNode {
         let range_app = router(RangeState {
             catalog: Arc::clone(executor.catalog()),
             bytes_served: Arc::clone(&range_bytes_served),
+            auth: config.auth.clone().map(Arc::new),
         });
         let (range_stop, range_stopped) = oneshot::channel::<()>();
-        let range_task = tokio::spawn(async move {
-            let served = axum::serve(range_listener, range_app).with_graceful_shutdown(async {
-                let _ = range_stopped.await;
-            });
-            if let Err(error) = served.await {
-                log::error!("byte-range endpoint stopped: {error}");
-            }
-        });
+        let range_acceptor =
+            BoundedAcceptor::new(range_listener, config.limits.clone(), "byte-range");
+        let range_task = tokio::spawn(serve_range(
+            range_acceptor,
+            range_app,
+            config.limits.clone(),
+            range_stopped,
+        ));
 
         let service = StorageFlightService::new(
             Arc::clone(&executor),
@@ -91,10 +101,23 @@ impl StorageNode {
         let server = FlightServiceServer::new(service)
             .max_decoding_message_size(FLIGHT_MESSAGE_BYTES_MAX)
             .max_encoding_message_size(FLIGHT_MESSAGE_BYTES_MAX);
+        let auth = config.auth.clone();
+        let server = InterceptedService::new(server, move |request: tonic::Request<()>| {
+            authenticate(auth.as_ref(), request)
+        });
         let (flight_stop, flight_stopped) = oneshot::channel::<()>();
-        let incoming = tokio_stream_from(flight_listener, Arc::clone(&faults));
+        let limits = config.limits.clone();
+        let incoming = tokio_stream_from(
+            BoundedAcceptor::new(flight_listener, limits.clone(), "flight"),
+            Arc::clone(&faults),
+        );
         let flight_task = tokio::spawn(async move {
             let served = tonic::transport::Server::builder()
+                .timeout(limits.flight_request_timeout)
+                .http2_keepalive_interval(Some(limits.http2_keepalive_interval))
+                .http2_keepalive_timeout(Some(limits.http2_keepalive_timeout))
+                .max_concurrent_streams(limits.flight_streams_per_connection_max)
+                .concurrency_limit_per_connection(limits.flight_concurrency_per_connection_max)
                 .add_service(server)
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = flight_stopped.await;
@@ -185,19 +208,102 @@ impl Drop for StorageNode {
     }
 }
 
-/// Accepted connections of `listener` as the stream tonic serves.
+/// Refuse a Flight call without `authorization: Bearer <secret>` (when the
+/// node has a secret).
+fn authenticate(
+    secret: Option<&Secret>,
+    request: tonic::Request<()>,
+) -> std::result::Result<tonic::Request<()>, tonic::Status> {
+    let Some(secret) = secret else {
+        return Ok(request);
+    };
+    match request.metadata().get(AUTHORIZATION_HEADER) {
+        Some(value) if secret.matches_header(value.as_bytes()) => Ok(request),
+        Some(_) => Err(tonic::Status::unauthenticated(
+            "this storage node refuses the credential sent: the authorization header does not hold its secret",
+        )),
+        None => Err(tonic::Status::unauthenticated(
+            "this storage node requires a credential: send 'authorization: Bearer <secret>' (sieve: --secret-file or SIEVE_SECRET)",
+        )),
+    }
+}
+
+/// Accepted connections of `acceptor` as the stream tonic serves. Accept
+/// errors are logged and skipped: tonic would stop serving on one.
 fn tokio_stream_from(
-    listener: TcpListener,
+    acceptor: BoundedAcceptor,
     faults: Arc<Faults>,
-) -> impl futures::Stream<Item = std::io::Result<FaultyStream>> {
-    futures::stream::unfold(listener, move |listener| {
+) -> impl futures::Stream<Item = std::io::Result<GuardedStream<FaultyStream>>> {
+    futures::stream::unfold(acceptor, move |acceptor| {
         let faults = Arc::clone(&faults);
         async move {
-            let accepted = listener.accept().await.map(|(stream, _)| {
-                let _ = stream.set_nodelay(true);
-                faults.wrap(stream)
-            });
-            Some((accepted, listener))
+            loop {
+                match acceptor.accept().await {
+                    Ok((stream, guard)) => {
+                        return Some((Ok(guard.wrap(faults.wrap(stream))), acceptor))
+                    }
+                    Err(error) => {
+                        log::warn!("flight endpoint: accept failed: {error}");
+                        // Out of file descriptors fails at once, again and again.
+                        tokio::time::sleep(ACCEPT_ERROR_BACKOFF).await;
+                    }
+                }
+            }
         }
     })
+}
+
+/// Pause after a failed accept (out of file descriptors fails again at
+/// once): 50 ms, short enough not to matter once descriptors are free.
+const ACCEPT_ERROR_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Serve the byte-range endpoint: HTTP/1.1 (and HTTP/2) with a header-read
+/// timeout, each connection under `limits` (see [`crate::limits`]), until
+/// `stop` fires.
+async fn serve_range(
+    acceptor: BoundedAcceptor,
+    app: axum::Router,
+    limits: ConnectionLimits,
+    mut stop: oneshot::Receiver<()>,
+) {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .keep_alive(true);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(limits.http2_keepalive_interval)
+        .keep_alive_timeout(limits.http2_keepalive_timeout)
+        .max_concurrent_streams(limits.flight_streams_per_connection_max);
+    let builder = Arc::new(builder);
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        let accepted = tokio::select! {
+            _ = &mut stop => break,
+            accepted = acceptor.accept() => accepted,
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        let (stream, guard) = match accepted {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                log::warn!("byte-range endpoint: accept failed: {error}");
+                tokio::time::sleep(ACCEPT_ERROR_BACKOFF).await;
+                continue;
+            }
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let builder = Arc::clone(&builder);
+        connections.spawn(async move {
+            let io = TokioIo::new(guard.wrap(stream));
+            if let Err(error) = builder.serve_connection(io, service).await {
+                log::debug!("byte-range connection closed: {error}");
+            }
+        });
+    }
+    // Stopped: dropping the set closes the connections still open.
+    drop(connections);
 }

@@ -17,6 +17,9 @@ use axum::routing::get;
 use axum::Router;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
+use sieve_fragment::Secret;
+
+use crate::catalog::open_slice_file;
 use crate::NodeCatalog;
 
 /// Upper bound on one range response. DataFusion asks for column chunks and
@@ -28,12 +31,46 @@ const RANGE_BYTES_MAX: u64 = 512 * 1024 * 1024;
 pub(crate) struct RangeState {
     pub(crate) catalog: Arc<NodeCatalog>,
     pub(crate) bytes_served: Arc<AtomicU64>,
+    /// The secret every request must carry, if the node has one.
+    pub(crate) auth: Option<Arc<Secret>>,
 }
 
 pub(crate) fn router(state: RangeState) -> Router {
     Router::new()
         .route("/slices/{table}/{file}", get(serve).head(serve))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            authenticate,
+        ))
         .with_state(state)
+}
+
+/// Answer 401 to a request without `Authorization: Bearer <secret>` (when
+/// the node has a secret), before anything else about it is looked at.
+async fn authenticate(
+    State(state): State<RangeState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(secret) = &state.auth else {
+        return next.run(request).await;
+    };
+    match request.headers().get(header::AUTHORIZATION) {
+        Some(value) if secret.matches_header(value.as_bytes()) => next.run(request).await,
+        given => {
+            let message = if given.is_some() {
+                "this storage node refuses the credential sent: the Authorization header does not hold its secret"
+            } else {
+                "this storage node requires a credential: send 'Authorization: Bearer <secret>'"
+            };
+            (
+                StatusCode::UNAUTHORIZED,
+                [(header::WWW_AUTHENTICATE, "Bearer")],
+                message,
+            )
+                .into_response()
+        }
+    }
 }
 
 async fn serve(
@@ -117,7 +154,7 @@ async fn serve_inner(
     if head_only {
         return builder.body(Body::empty()).map_err(internal);
     }
-    let mut handle = tokio::fs::File::open(&slice.path).await.map_err(internal)?;
+    let mut handle = tokio::fs::File::from_std(open_slice_file(&slice.path).map_err(internal)?);
     handle
         .seek(SeekFrom::Start(start))
         .await

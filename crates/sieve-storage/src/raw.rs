@@ -132,7 +132,7 @@ pub(crate) fn raw_stream(
             async move {
                 let read = Arc::clone(&slice);
                 let bytes = tokio::task::spawn_blocking(move || {
-                    let file = std::fs::File::open(&read.path)?;
+                    let file = crate::catalog::open_slice_file(&read.path)?;
                     let mut buffer = vec![0u8; length as usize];
                     file.read_exact_at(&mut buffer, offset)?;
                     Ok::<_, std::io::Error>(buffer)

@@ -14,7 +14,10 @@ use std::time::Duration;
 use datafusion::common::{exec_datafusion_err, exec_err, Result};
 use serde_json::Value;
 
+use sieve_fragment::Secret;
+
 use super::link::SharedCleanup;
+use crate::secret::SECRET_ENV;
 
 /// The pinned DuckDB release.
 pub const DUCKDB_VERSION: &str = "1.4.4";
@@ -105,6 +108,7 @@ impl DuckDb {
         python: &Path,
         work: &Path,
         tables: &BTreeMap<String, Vec<String>>,
+        secret: &Secret,
         cleanup: &SharedCleanup,
     ) -> Result<Self> {
         let script = work.join("duckdb_driver.py");
@@ -112,6 +116,9 @@ impl DuckDb {
         let mut command = Command::new(python);
         command
             .arg(&script)
+            // The driver sends it as an HTTP header; by environment, never
+            // on the command line.
+            .env(SECRET_ENV, secret.expose())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());

@@ -45,6 +45,12 @@ def main():
     con.execute("SET autoload_known_extensions = false")
     con.execute("LOAD " + quoted(extensions[0]))
     con.execute("SET enable_external_file_cache = false")
+    secret = os.environ.pop("SIEVE_SECRET", None)
+    if secret:
+        # The storage nodes refuse requests without their shared secret.
+        header = quoted("Bearer " + secret)
+        con.execute("CREATE SECRET sieve_storage (TYPE HTTP, "
+                    "EXTRA_HTTP_HEADERS MAP {'Authorization': " + header + "})")
     print(json.dumps({"ok": True, "version": duckdb.__version__, "extension": extensions[0]}), flush=True)
     for line in sys.stdin:
         try:

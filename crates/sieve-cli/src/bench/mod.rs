@@ -177,6 +177,8 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
             }
         },
     };
+    // A fresh secret per run, for the nodes, the session and DuckDB.
+    let secret = crate::secret::random_secret()?;
     let processes = nodes::start(
         &options.sieve_binary,
         &root,
@@ -184,12 +186,13 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         options.nodes,
         &options.out_directory.join("logs"),
         &cleanup,
+        &secret,
     )?;
     let urls: Vec<String> = processes
         .iter()
         .map(|node| node.flight_url.clone())
         .collect();
-    let session = connect_session(&urls).await?;
+    let session = connect_session(&urls, Some(&secret)).await?;
     session.apply_settings(&options.settings)?;
     let mut duck = match &python {
         Some(python) => {
@@ -210,6 +213,7 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
                 python,
                 &options.out_directory,
                 &tables,
+                &secret,
                 &cleanup,
             )?)
         }

@@ -9,7 +9,10 @@ use std::time::{Duration, Instant};
 
 use datafusion::common::{exec_datafusion_err, exec_err, Result};
 
+use sieve_fragment::Secret;
+
 use super::link::{NodeLink, SharedCleanup};
+use crate::secret::SECRET_ENV;
 
 /// How long a storage node may take to open its catalog and listen.
 const NODE_START_TIMEOUT: Duration = Duration::from_secs(60);
@@ -46,6 +49,7 @@ pub fn start(
     nodes: usize,
     logs: &Path,
     cleanup: &SharedCleanup,
+    secret: &Secret,
 ) -> Result<Vec<NodeProcess>> {
     std::fs::create_dir_all(logs)?;
     let mut started = Vec::with_capacity(nodes);
@@ -85,6 +89,9 @@ pub fn start(
             .arg(flight.to_string())
             .arg("--range-listen")
             .arg(range.to_string())
+            // The secret goes by environment, never on the command line,
+            // where `ps` shows it to every user of the host.
+            .env(SECRET_ENV, secret.expose())
             .stdin(Stdio::null())
             .stdout(log_file.try_clone()?)
             .stderr(log_file);

@@ -120,7 +120,7 @@ pub async fn run_streams(options: &StreamsOptions) -> Result<Vec<PhaseReport>> {
 
     // The reference: every query once, NDP off.
     let cluster = EmbeddedCluster::start(&root, options.nodes).await?;
-    let session = connect_session(&cluster.urls()).await?;
+    let session = connect_session(&cluster.urls(), Some(cluster.secret())).await?;
     session.apply_settings(&options.settings)?;
     session.set_ndp(false)?;
     let mut expected = Vec::new();
@@ -166,7 +166,7 @@ async fn phase(
         },
     )
     .await?;
-    let session = connect_session(&cluster.urls()).await?;
+    let session = connect_session(&cluster.urls(), Some(cluster.secret())).await?;
     session.apply_settings(&options.settings)?;
     session.set_ndp(true)?;
     let total = options.streams * TPCH_QUERIES.len();

@@ -372,18 +372,19 @@ async fn start_engines(root: &Path, modes: &[Mode]) -> Result<Engines> {
     let mut clusters = Vec::new();
     let default = EmbeddedCluster::start(root, NODES).await?;
     let default_urls = default.urls();
+    let default_secret = default.secret().clone();
     clusters.push(default);
     let mut raw_urls = None;
     if modes.contains(&Mode::Raw) {
         let raw = EmbeddedCluster::start_raw(root, NODES).await?;
-        raw_urls = Some(raw.urls());
+        raw_urls = Some((raw.urls(), raw.secret().clone()));
         clusters.push(raw);
     }
     let mut sessions = Vec::with_capacity(modes.len());
     for &mode in modes {
         let session = match (mode, &raw_urls) {
-            (Mode::Raw, Some(urls)) => connect_session(urls).await?,
-            _ => connect_session(&default_urls).await?,
+            (Mode::Raw, Some((urls, secret))) => connect_session(urls, Some(secret)).await?,
+            _ => connect_session(&default_urls, Some(&default_secret)).await?,
         };
         match mode {
             Mode::NoJoinFilters => session.apply_settings(&["sieve.join_filters=false".into()])?,
