@@ -1119,6 +1119,12 @@ async fn health_check(
                 rows.first()
             ),
         )),
+        // Every pushdown worker still busy after half a minute: a request
+        // the client gave up on holds the node.
+        Err(error) if error == SERVED_RAW => Some(finding(
+            Outcome::Hang,
+            format!("{error} for {HEALTH_RAW_TRIES_MAX} tries, half a second apart"),
+        )),
         Err(error) => Some(finding(Outcome::WrongAnswer, format!("failed: {error}"))),
     }
 }
