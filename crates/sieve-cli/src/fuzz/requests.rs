@@ -65,10 +65,12 @@
 //! `%`, 42 s alone) and by the node staying busy with them after the client
 //! gave up. All families (one deep request in ten near the bound): 4.9
 //! requests/s over 1,000 requests, 5.1/s over 500 (deep 0.5 s a request,
-//! mutated 0.2 s, the others under 0.02 s). With one deep request in twenty
-//! near the bound and the slow requests refused, expect about 15
-//! requests/s in debug, so the long run of 100,000 requests takes about two
-//! hours in debug and a quarter of an hour in release:
+//! mutated 0.2 s, the others under 0.02 s). The deep family alone at
+//! `--depth-max 300`, one request in twenty near the bound: 0.45 s a
+//! request. So a debug run goes at about 10 requests/s once the slow
+//! requests are refused, and the long run of 100,000 requests takes about
+//! three hours in debug (deep 20,000 x 0.45 s, the rest little) and, at
+//! the usual tenfold, a quarter of an hour in release:
 //! `cargo run --release -p sieve-cli -- fuzz-requests --seed 1 --requests 100000`.
 //! Today the deep family's chains of a few hundred levels overflow a node
 //! thread's stack and abort the process at the first such request
@@ -184,7 +186,8 @@ pub struct RequestFuzzOptions {
     /// requests past a depth that kills the node.
     pub expression_depth_max: usize,
     /// A file where each request is written before it is sent (the last line
-    /// names the request that killed the process, if one does).
+    /// names the request that killed the process, if one does), and its
+    /// outcome after.
     pub journal: Option<PathBuf>,
 }
 
@@ -646,6 +649,11 @@ pub async fn run_request_fuzz(options: &RequestFuzzOptions) -> Result<RequestFuz
             }
         }
         *report.family_elapsed.entry(family).or_default() += request_started.elapsed();
+        if let Some(journal) = journal.as_mut() {
+            use std::io::Write as _;
+            let detail: String = detail.chars().take(300).collect();
+            writeln!(journal, "  -> {} {detail}", outcome.name())?;
+        }
         report.requests += 1;
         *report.counts.entry((family, outcome)).or_default() += 1;
         if outcome.is_failure() {
@@ -1692,12 +1700,19 @@ async fn deep(random: &mut SeededRandom, view: &NodeView, depth_max: usize) -> R
                 *random.pick(&[100, 1_000, 10_000])
             };
             let name = schema.field(column).name().clone();
+            let data_type = schema.field(column).data_type().clone();
             let schema_for_thread = Arc::clone(&schema);
             let bytes = on_big_stack(move || {
                 let column: Arc<dyn PhysicalExpr> = Arc::new(Column::new(&name, column));
                 let expr = serialize_physical_expr(&column, &SieveCodec::new())?;
+                // Items of the column's own type, as the compute side sends them.
+                let typed = |value: i64| {
+                    ScalarValue::Int64(Some(value))
+                        .cast_to(&data_type)
+                        .unwrap_or(ScalarValue::Int64(Some(value)))
+                };
                 let item = serialize_physical_expr(
-                    &(Arc::new(Literal::new(ScalarValue::Int64(Some(7)))) as Arc<dyn PhysicalExpr>),
+                    &(Arc::new(Literal::new(typed(7))) as Arc<dyn PhysicalExpr>),
                     &SieveCodec::new(),
                 )?;
                 let node = PhysicalExprNode {
@@ -1707,7 +1722,7 @@ async fn deep(random: &mut SeededRandom, view: &NodeView, depth_max: usize) -> R
                             .map(|value| {
                                 let mut item = item.clone();
                                 if let Some(ExprType::Literal(scalar)) = item.expr_type.as_mut() {
-                                    *scalar = (&ScalarValue::Int64(Some(value)))
+                                    *scalar = (&typed(value))
                                         .try_into()
                                         .unwrap_or_else(|_| scalar.clone());
                                 }
@@ -1721,7 +1736,7 @@ async fn deep(random: &mut SeededRandom, view: &NodeView, depth_max: usize) -> R
                 Ok(body_bytes(&schema_for_thread, node))
             })
             .await?;
-            (bytes, format!("IN list of {items} Int64 items"))
+            (bytes, format!("IN list of {items} items"))
         }
         (_, _, Some(column)) => {
             let length = if random.percent(5) {
