@@ -11,7 +11,10 @@ use sieve_cli::bench::streams::{format_streams, run_streams, StreamsOptions};
 use sieve_cli::bench::{run_bench, BenchOptions, LinkSpec, Mode};
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::demo::{ensure_data, format_table, run_demo, DemoOptions};
-use sieve_cli::fuzz::{mismatches_as_error, run_fuzz, FuzzOptions, Mode as FuzzMode};
+use sieve_cli::fuzz::{
+    mismatches_as_error, request_failures_as_error, run_fuzz, run_request_fuzz,
+    Family as RequestFamily, FuzzOptions, Mode as FuzzMode, RequestFuzzOptions, RequestTarget,
+};
 use sieve_cli::secret::{load_secret, SECRET_ENV};
 use sieve_compute::connect_session;
 use sieve_format::{generate_tpch, SliceLayout};
@@ -220,6 +223,48 @@ enum Command {
         /// Only this query index in each schema (to reproduce a mismatch).
         #[arg(long = "query")]
         only_query: Option<usize>,
+    },
+    /// Malformed and hostile requests against one storage node (Flight and
+    /// the byte-range endpoint), each answer classified, with health checks.
+    /// Exits non-zero on any panic, crash, hang, 5xx or wrong answer.
+    FuzzRequests {
+        /// The run's seed: request I comes from the seed and I alone.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Requests to send.
+        #[arg(long, default_value_t = 10_000)]
+        requests: usize,
+        /// Where the embedded node's TPC-H SF 0.01 is generated (reused);
+        /// default: the system's temporary directory.
+        #[arg(long)]
+        data: Option<PathBuf>,
+        /// Fuzz this running node (its Flight URL) instead of an embedded one.
+        #[arg(long)]
+        node: Option<String>,
+        /// Only this request index (to replay a finding).
+        #[arg(long)]
+        only: Option<usize>,
+        /// Request families taking turns: mutated, deep, random-bytes,
+        /// other-calls, byte-range.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "mutated,deep,random-bytes,other-calls,byte-range"
+        )]
+        families: Vec<String>,
+        /// Shared secret of the node: sent as `authorization: Bearer SECRET`.
+        #[arg(long)]
+        secret: Option<String>,
+        /// Per-request timeout in milliseconds: no answer in time is a hang.
+        #[arg(long, default_value_t = sieve_cli::fuzz::REQUEST_TIMEOUT_MS_DEFAULT)]
+        timeout_ms: u64,
+        /// Deepest expression chain of the deep family (at most 5,000).
+        #[arg(long, default_value_t = sieve_cli::fuzz::CHAIN_DEPTH_MAX)]
+        depth_max: usize,
+        /// Write each request here before sending it (the last line names
+        /// the request that killed the process, if one does).
+        #[arg(long)]
+        journal: Option<PathBuf>,
     },
     /// SQL against a cluster: an interactive shell, or -c / -f.
     Sql {
@@ -439,6 +484,39 @@ async fn run(cli: Cli) -> Result<()> {
             let report = run_fuzz(&options).await?;
             println!("{}", report.summary());
             mismatches_as_error(&report)
+        }
+        Command::FuzzRequests {
+            seed,
+            requests,
+            data,
+            node,
+            only,
+            families,
+            secret,
+            timeout_ms,
+            depth_max,
+            journal,
+        } => {
+            let data = data.unwrap_or_else(|| std::env::temp_dir().join("sieve-request-fuzz"));
+            let options = RequestFuzzOptions {
+                only,
+                families: families
+                    .iter()
+                    .map(|family| RequestFamily::parse(family))
+                    .collect::<Result<_>>()?,
+                target: match node {
+                    Some(url) => RequestTarget::Node(url),
+                    None => RequestTarget::Embedded(data.clone()),
+                },
+                authorization: secret.map(|secret| format!("Bearer {secret}")),
+                request_timeout: std::time::Duration::from_millis(timeout_ms),
+                expression_depth_max: depth_max,
+                journal,
+                ..RequestFuzzOptions::new(seed, requests, data)
+            };
+            let report = run_request_fuzz(&options).await?;
+            println!("{}", report.summary());
+            request_failures_as_error(&report)
         }
         Command::Storage {
             data,

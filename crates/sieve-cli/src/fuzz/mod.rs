@@ -47,6 +47,7 @@
 //! ```
 
 mod queries;
+mod requests;
 mod rng;
 mod tables;
 
@@ -64,6 +65,12 @@ use crate::cluster::EmbeddedCluster;
 use crate::compare::{reference_context_for, rows_as_text};
 
 pub use queries::{FuzzQuery, QueryGenerator, QueryShape, JOIN_ROWS_MAX};
+pub use requests::{
+    request_failures_as_error, run_request_fuzz, Family, Finding, Outcome as RequestOutcome,
+    RequestFuzzOptions, RequestFuzzReport, RequestTarget, BUILDER_STACK_BYTES, CHAIN_DEPTH_MAX,
+    EMBEDDED_SCALE_FACTOR, FINDINGS_KEPT_MAX, HEALTH_EVERY_DEFAULT, RANDOM_BYTES_MAX,
+    REPRODUCER_BYTES_MAX, REQUEST_TIMEOUT_MS_DEFAULT,
+};
 pub use rng::SeededRandom;
 pub use tables::{
     ColumnSpec, FuzzSchema, FuzzTable, KeyDistribution, TableSpec, KEY_NAMES, NODES, TABLE_ROWS_MAX,
