@@ -81,6 +81,7 @@ impl StorageNode {
             catalog: Arc::clone(executor.catalog()),
             bytes_served: Arc::clone(&range_bytes_served),
             auth: config.auth.clone().map(Arc::new),
+            in_flight: crate::range::range_bytes_budget(),
         });
         let (range_stop, range_stopped) = oneshot::channel::<()>();
         let range_acceptor =

@@ -15,6 +15,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
+use futures::StreamExt;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 use sieve_fragment::Secret;
@@ -25,7 +26,20 @@ use crate::NodeCatalog;
 /// Upper bound on one range response. DataFusion asks for column chunks and
 /// coalesced page runs, well below this; a larger request is refused rather
 /// than buffered.
-const RANGE_BYTES_MAX: u64 = 512 * 1024 * 1024;
+const RANGE_BYTES_MAX: u64 = 256 * 1024 * 1024;
+
+/// Upper bound on the bytes of range responses a node holds in memory at
+/// once, over all connections: a response is read whole before it is sent,
+/// so without it a few hundred large requests would exhaust memory. A
+/// request waits for its share (its bytes in KiB, as semaphore permits).
+pub(crate) const RANGE_BYTES_IN_FLIGHT_MAX: u64 = 512 * 1024 * 1024;
+
+/// The semaphore behind [`RANGE_BYTES_IN_FLIGHT_MAX`], in KiB.
+pub(crate) fn range_bytes_budget() -> Arc<tokio::sync::Semaphore> {
+    Arc::new(tokio::sync::Semaphore::new(
+        (RANGE_BYTES_IN_FLIGHT_MAX / 1024) as usize,
+    ))
+}
 
 #[derive(Debug, Clone)]
 pub(crate) struct RangeState {
@@ -33,6 +47,8 @@ pub(crate) struct RangeState {
     pub(crate) bytes_served: Arc<AtomicU64>,
     /// The secret every request must carry, if the node has one.
     pub(crate) auth: Option<Arc<Secret>>,
+    /// Bytes of responses held at once ([`RANGE_BYTES_IN_FLIGHT_MAX`]).
+    pub(crate) in_flight: Arc<tokio::sync::Semaphore>,
 }
 
 pub(crate) fn router(state: RangeState) -> Router {
@@ -154,6 +170,11 @@ async fn serve_inner(
     if head_only {
         return builder.body(Body::empty()).map_err(internal);
     }
+    let permits = length.div_ceil(1024).max(1) as u32;
+    let permit = Arc::clone(&state.in_flight)
+        .acquire_many_owned(permits)
+        .await
+        .map_err(internal)?;
     let mut handle = tokio::fs::File::from_std(open_slice_file(&slice.path).map_err(internal)?);
     handle
         .seek(SeekFrom::Start(start))
@@ -162,7 +183,15 @@ async fn serve_inner(
     let mut buffer = vec![0u8; length as usize];
     handle.read_exact(&mut buffer).await.map_err(internal)?;
     state.bytes_served.fetch_add(length, Ordering::Relaxed);
-    builder.body(Body::from(buffer)).map_err(internal)
+    // The bytes count against the budget until the body has been sent.
+    let body = futures::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(buffer))]).chain(
+        futures::stream::once(async move {
+            drop(permit);
+            None
+        })
+        .filter_map(std::future::ready),
+    );
+    builder.body(Body::from_stream(body)).map_err(internal)
 }
 
 fn internal(error: impl std::fmt::Display) -> (StatusCode, String) {
