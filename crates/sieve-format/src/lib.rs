@@ -26,13 +26,15 @@ mod layout;
 mod tpch;
 
 pub use catalog::{ColumnSummary, SliceSummary, TableSummary};
-pub use layout::{copy_slice, write_slice, SliceLayout, DISTINCT_COUNTS_KEY};
+pub use layout::{
+    copy_slice, write_slice, write_table_slice, SliceLayout, DISTINCT_COUNTS_KEY, TABLE_SLICES_KEY,
+};
 pub use tpch::{generate_tpch, is_generated, replica_nodes, slice_path, TpchTable, TPCH_TABLES};
 
 /// Version of the on-disk layout. A load written by another version is not
 /// considered complete and is generated again (version 2 added the per-column
-/// distinct counts).
-pub const FORMAT_VERSION: u32 = 2;
+/// distinct counts, version 3 each slice's table slice count).
+pub const FORMAT_VERSION: u32 = 3;
 
 /// Name of the marker file written after every slice of a load is in place.
 pub const LOAD_COMPLETE_MARKER: &str = "_SUCCESS";

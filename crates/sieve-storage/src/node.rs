@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::faults::{Faults, FaultyStream};
+use crate::faults::{Faults, FaultyListener, FaultyStream};
 use crate::pool::PushdownPool;
 use crate::range::{router, RangeState};
 use crate::{ExecuteOptions, NodeCatalog, SliceExecutor, StorageFlightService};
@@ -71,7 +71,12 @@ impl StorageNode {
         let range_app = router(RangeState {
             catalog: Arc::clone(executor.catalog()),
             bytes_served: Arc::clone(&range_bytes_served),
+            faults: Arc::clone(&faults),
         });
+        let range_listener = FaultyListener {
+            inner: range_listener,
+            faults: Arc::clone(&faults),
+        };
         let (range_stop, range_stopped) = oneshot::channel::<()>();
         let range_task = tokio::spawn(async move {
             let served = axum::serve(range_listener, range_app).with_graceful_shutdown(async {

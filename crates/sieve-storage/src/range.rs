@@ -17,6 +17,7 @@ use axum::routing::get;
 use axum::Router;
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
+use crate::faults::Faults;
 use crate::NodeCatalog;
 
 /// Upper bound on one range response. DataFusion asks for column chunks and
@@ -28,6 +29,8 @@ const RANGE_BYTES_MAX: u64 = 512 * 1024 * 1024;
 pub(crate) struct RangeState {
     pub(crate) catalog: Arc<NodeCatalog>,
     pub(crate) bytes_served: Arc<AtomicU64>,
+    /// The node's fault switch: a range response counts as a data message.
+    pub(crate) faults: Arc<Faults>,
 }
 
 pub(crate) fn router(state: RangeState) -> Router {
@@ -125,6 +128,7 @@ async fn serve_inner(
     let mut buffer = vec![0u8; length as usize];
     handle.read_exact(&mut buffer).await.map_err(internal)?;
     state.bytes_served.fetch_add(length, Ordering::Relaxed);
+    state.faults.message_sent();
     builder.body(Body::from(buffer)).map_err(internal)
 }
 
