@@ -3,15 +3,17 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use arrow::datatypes::SchemaRef;
 use datafusion::common::stats::Precision;
-use datafusion::common::{plan_err, ColumnStatistics, Result, ScalarValue, Statistics};
+use datafusion::common::{
+    exec_err, plan_err, ColumnStatistics, DataFusionError, Result, ScalarValue, Statistics,
+};
 use sieve_format::SliceSummary;
 use sieve_fragment::Secret;
 
-use crate::client::StorageClient;
+use crate::client::{NodeTable, StorageClient};
 
 /// One slice and where it lives.
 #[derive(Debug, Clone)]
@@ -64,6 +66,50 @@ pub struct ClusterCatalog {
     /// Every slice request that failed on a node and was then served by
     /// another replica, for measuring recovery.
     pub recoveries: Arc<Mutex<Vec<Recovery>>>,
+    /// Nodes that failed or timed out during discovery, and why. Their
+    /// slices are unknown to this catalog; every slice of every table had a
+    /// live replica without them.
+    pub discovery_failures: Vec<DiscoveryFailure>,
+    /// Base URL (`http://host:port`) of each node's byte-range endpoint, as
+    /// the node itself announced it; `None` for a node that failed discovery.
+    pub range_urls: Vec<Option<String>>,
+}
+
+/// A storage node that could not be listed when the catalog was made.
+#[derive(Debug, Clone)]
+pub struct DiscoveryFailure {
+    /// Index of the node in [`ClusterCatalog::clients`].
+    pub node: usize,
+    /// The node's address.
+    pub url: String,
+    /// What went wrong.
+    pub reason: String,
+}
+
+/// Bounds on discovering the cluster, so that one dead or hung node costs a
+/// bounded wait instead of every new session.
+#[derive(Debug, Clone, Copy)]
+pub struct DiscoverySettings {
+    /// Longest wait for a TCP connection (and its HTTP/2 handshake) to one node.
+    pub connect_timeout: Duration,
+    /// Longest wait for one node's whole answer: connecting and listing.
+    pub listing_timeout: Duration,
+}
+
+/// Default of `sieve.discovery_connect_timeout_ms`: a node on the same
+/// network that does not accept a connection in 2 s is down or overloaded.
+pub const DISCOVERY_CONNECT_TIMEOUT_MS: u64 = 2_000;
+/// Default of `sieve.discovery_timeout_ms`: listing is a catalog read from
+/// memory, milliseconds on a healthy node; 10 s leaves room for a busy one.
+pub const DISCOVERY_TIMEOUT_MS: u64 = 10_000;
+
+impl Default for DiscoverySettings {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_millis(DISCOVERY_CONNECT_TIMEOUT_MS),
+            listing_timeout: Duration::from_millis(DISCOVERY_TIMEOUT_MS),
+        }
+    }
 }
 
 /// A slice request that failed on one node and was served by another.
@@ -117,76 +163,79 @@ impl ClusterCatalog {
 }
 
 impl ClusterCatalog {
-    /// Connect to every storage node and merge what they hold. A slice held
-    /// by several nodes is one slice with replicas; a table whose schema
-    /// differs between nodes, or replicas that differ, is an error.
-    /// Every call carries `secret` (`None`: nodes without one).
+    /// [`Self::discover_with`] with the default bounds. Every call carries
+    /// `secret` (`None`: nodes without one).
     pub async fn discover(urls: &[String], secret: Option<&Secret>) -> Result<Self> {
+        Self::discover_with(urls, secret, DiscoverySettings::default()).await
+    }
+
+    /// Connect to every storage node, concurrently, and merge what they
+    /// hold. A slice held by several nodes is one slice with replicas; a
+    /// table whose schema differs between nodes, or replicas that differ,
+    /// is an error.
+    ///
+    /// A node that refuses, fails or does not answer within `settings` is
+    /// recorded in [`Self::discovery_failures`] and marked failed; the
+    /// catalog is made without it as long as every slice of every table
+    /// still has a live replica. Where slices record their table's slice
+    /// count ([`SliceSummary::table_slices`]), a slice no live node lists is
+    /// missing, and discovery fails naming the missing slices and the nodes
+    /// that failed. (A table none of whose slices is on a live node is not
+    /// known at all; its slice count is not either.) A node that refuses
+    /// the secret fails discovery at once: every node has the same secret,
+    /// so the session's is wrong.
+    pub async fn discover_with(
+        urls: &[String],
+        secret: Option<&Secret>,
+        settings: DiscoverySettings,
+    ) -> Result<Self> {
         if urls.is_empty() {
             return plan_err!("no storage nodes given");
         }
-        let clients = futures::future::try_join_all(
-            urls.iter().map(|url| StorageClient::connect(url, secret)),
-        )
-        .await?;
-        let listings =
-            futures::future::try_join_all(clients.iter().map(|client| client.list_tables()))
-                .await?;
-        let mut tables: BTreeMap<String, ClusterTable> = BTreeMap::new();
-        for (node, listing) in listings.into_iter().enumerate() {
-            for node_table in listing {
-                let table = tables
-                    .entry(node_table.name.clone())
-                    .or_insert_with(|| ClusterTable {
-                        name: node_table.name.clone(),
-                        schema: Arc::clone(&node_table.schema),
-                        slices: Vec::new(),
-                        statistics: Statistics::new_unknown(&node_table.schema),
-                    });
-                if table.schema.fields() != node_table.schema.fields() {
-                    return plan_err!(
-                        "table '{}' has a different schema on storage node {} than on another node",
-                        node_table.name,
-                        urls[node]
-                    );
+        let answers =
+            futures::future::join_all(urls.iter().map(|url| discover_node(url, secret, settings)))
+                .await;
+        let mut clients = Vec::with_capacity(urls.len());
+        let mut listings = Vec::with_capacity(urls.len());
+        let mut discovery_failures = Vec::new();
+        for (node, (url, answer)) in urls.iter().zip(answers).enumerate() {
+            match answer {
+                Ok((client, listing)) => {
+                    clients.push(client);
+                    listings.push(Some(listing));
                 }
-                for (summary, range_url) in node_table.slices {
-                    if let Some(held) = table
-                        .slices
-                        .iter_mut()
-                        .find(|slice| slice.summary.slice == summary.slice)
-                    {
-                        // A replica: it must be the same slice, byte for byte.
-                        if (
-                            held.summary.rows,
-                            held.summary.bytes,
-                            held.summary.row_groups,
-                        ) != (summary.rows, summary.bytes, summary.row_groups)
-                        {
-                            return plan_err!(
-                                "slice {} of table '{}' differs between storage nodes {} and {} ({} rows, {} bytes vs {} rows, {} bytes)",
-                                summary.slice,
-                                table.name,
-                                urls[held.node],
-                                urls[node],
-                                held.summary.rows,
-                                held.summary.bytes,
-                                summary.rows,
-                                summary.bytes
-                            );
-                        }
-                        held.replicas.push(node);
-                        continue;
-                    }
-                    table.slices.push(ClusterSlice {
-                        summary,
+                Err(DataFusionError::Plan(message)) => {
+                    // A bad address or a refused secret: the user's to fix,
+                    // not a node failure.
+                    return plan_err!("{message}");
+                }
+                Err(error) => {
+                    log::warn!("storage node {url} left out of the catalog: {error}");
+                    discovery_failures.push(DiscoveryFailure {
                         node,
-                        range_url,
-                        replicas: vec![node],
+                        url: url.clone(),
+                        reason: error.to_string(),
                     });
+                    // Never connected: a client that connects on first use.
+                    clients.push(StorageClient::lazy(url, secret)?);
+                    listings.push(None);
                 }
             }
         }
+        if discovery_failures.len() == urls.len() {
+            return exec_err!(
+                "no storage node could be listed: {}",
+                describe_failures(&discovery_failures)
+            );
+        }
+        let mut range_urls: Vec<Option<String>> = vec![None; urls.len()];
+        let mut tables: BTreeMap<String, ClusterTable> = BTreeMap::new();
+        for (node, listing) in listings.into_iter().enumerate() {
+            for node_table in listing.into_iter().flatten() {
+                merge_node_table(&mut tables, &mut range_urls, urls, node, node_table)?;
+            }
+        }
+        check_every_slice_live(&tables, &discovery_failures)?;
         let tables = tables
             .into_iter()
             .map(|(name, mut table)| {
@@ -196,14 +245,167 @@ impl ClusterCatalog {
             })
             .collect();
         let nodes = Arc::new((0..clients.len()).map(|_| NodeState::default()).collect());
-        Ok(Self {
+        let catalog = Self {
             clients,
             tables,
             nodes,
             epoch: Instant::now(),
             recoveries: Arc::new(Mutex::new(Vec::new())),
-        })
+            discovery_failures,
+            range_urls,
+        };
+        for failure in &catalog.discovery_failures {
+            catalog.mark_failed(failure.node);
+        }
+        Ok(catalog)
     }
+}
+
+/// Connect to one node and list its tables, within `settings`.
+async fn discover_node(
+    url: &str,
+    secret: Option<&Secret>,
+    settings: DiscoverySettings,
+) -> Result<(StorageClient, Vec<NodeTable>)> {
+    let listed = async {
+        let client = StorageClient::connect_within(url, secret, settings.connect_timeout).await?;
+        let listing = client.list_tables().await?;
+        Ok::<_, DataFusionError>((client, listing))
+    };
+    match tokio::time::timeout(settings.listing_timeout, listed).await {
+        Ok(answer) => answer,
+        Err(_) => exec_err!(
+            "no catalog from storage node {url} within {} ms (sieve.discovery_timeout_ms)",
+            settings.listing_timeout.as_millis()
+        ),
+    }
+}
+
+/// Add one node's table to `tables`: its slices, or replicas of slices
+/// another node listed.
+fn merge_node_table(
+    tables: &mut BTreeMap<String, ClusterTable>,
+    range_urls: &mut [Option<String>],
+    urls: &[String],
+    node: usize,
+    node_table: NodeTable,
+) -> Result<()> {
+    let table = tables
+        .entry(node_table.name.clone())
+        .or_insert_with(|| ClusterTable {
+            name: node_table.name.clone(),
+            schema: Arc::clone(&node_table.schema),
+            slices: Vec::new(),
+            statistics: Statistics::new_unknown(&node_table.schema),
+        });
+    if table.schema.fields() != node_table.schema.fields() {
+        return plan_err!(
+            "table '{}' has a different schema on storage node {} than on another node",
+            node_table.name,
+            urls[node]
+        );
+    }
+    for (summary, range_url) in node_table.slices {
+        if let Some((base, _)) = range_url.split_once("/slices/") {
+            range_urls[node].get_or_insert_with(|| base.to_string());
+        }
+        if let Some(held) = table
+            .slices
+            .iter_mut()
+            .find(|slice| slice.summary.slice == summary.slice)
+        {
+            // A replica: it must be the same slice, byte for byte.
+            if (
+                held.summary.rows,
+                held.summary.bytes,
+                held.summary.row_groups,
+            ) != (summary.rows, summary.bytes, summary.row_groups)
+            {
+                return plan_err!(
+                    "slice {} of table '{}' differs between storage nodes {} and {} ({} rows, {} bytes vs {} rows, {} bytes)",
+                    summary.slice,
+                    table.name,
+                    urls[held.node],
+                    urls[node],
+                    held.summary.rows,
+                    held.summary.bytes,
+                    summary.rows,
+                    summary.bytes
+                );
+            }
+            held.replicas.push(node);
+            continue;
+        }
+        table.slices.push(ClusterSlice {
+            summary,
+            node,
+            range_url,
+            replicas: vec![node],
+        });
+    }
+    Ok(())
+}
+
+/// Fail if a table's slices record a slice count and fewer slices than that
+/// were listed: those slices have no live replica. Slice numbers named as
+/// missing are those of `1..=count` (the loader's numbering) not listed.
+fn check_every_slice_live(
+    tables: &BTreeMap<String, ClusterTable>,
+    failures: &[DiscoveryFailure],
+) -> Result<()> {
+    let mut missing: Vec<String> = Vec::new();
+    for table in tables.values() {
+        let Some(count) = table
+            .slices
+            .iter()
+            .filter_map(|slice| slice.summary.table_slices)
+            .max()
+        else {
+            continue;
+        };
+        if table.slices.len() >= count as usize {
+            continue;
+        }
+        let listed: std::collections::BTreeSet<u32> = table
+            .slices
+            .iter()
+            .map(|slice| slice.summary.slice)
+            .collect();
+        let absent: Vec<String> = (1..=count)
+            .filter(|number| !listed.contains(number))
+            .map(|number| number.to_string())
+            .collect();
+        missing.push(format!(
+            "table '{}' slice(s) {} ({} of {})",
+            table.name,
+            absent.join(", "),
+            count as usize - table.slices.len(),
+            count
+        ));
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let nodes = if failures.is_empty() {
+        "every storage node answered".to_string()
+    } else {
+        format!(
+            "storage node(s) that failed: {}",
+            describe_failures(failures)
+        )
+    };
+    exec_err!(
+        "slices with no live replica: {}; {nodes}",
+        missing.join("; ")
+    )
+}
+
+fn describe_failures(failures: &[DiscoveryFailure]) -> String {
+    failures
+        .iter()
+        .map(|failure| format!("{} ({})", failure.url, failure.reason))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Merge slice summaries into table statistics.

@@ -213,15 +213,49 @@ impl StorageClient {
     /// Connect to the storage node at `url` (e.g. `http://127.0.0.1:50051`),
     /// sending `secret` with every call (`None`: a node without one).
     pub async fn connect(url: &str, secret: Option<&Secret>) -> Result<Self> {
-        let endpoint = Endpoint::from_shared(url.to_string())
+        Self::connect_within(url, secret, Duration::from_millis(CONNECT_TIMEOUT_MS)).await
+    }
+
+    /// Like [`Self::connect`], giving up after `timeout`: on the TCP
+    /// connection, and on the whole connection (a hung node accepts TCP
+    /// connections in its kernel but never completes the HTTP/2 handshake).
+    pub async fn connect_within(
+        url: &str,
+        secret: Option<&Secret>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let endpoint = Self::endpoint(url)?.connect_timeout(timeout);
+        let channel = tokio::time::timeout(timeout, endpoint.connect())
+            .await
+            .map_err(|_| {
+                exec_datafusion_err!(
+                    "cannot connect to storage node {url}: no connection within {} ms",
+                    timeout.as_millis()
+                )
+            })?
+            .map_err(|error| {
+                exec_datafusion_err!("cannot connect to storage node {url}: {error}")
+            })?;
+        Self::over(url, secret, channel)
+    }
+
+    /// A client for `url` that connects on first use: for a node that was
+    /// down when the catalog was made.
+    pub fn lazy(url: &str, secret: Option<&Secret>) -> Result<Self> {
+        let endpoint =
+            Self::endpoint(url)?.connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS));
+        Self::over(url, secret, endpoint.connect_lazy())
+    }
+
+    fn endpoint(url: &str) -> Result<Endpoint> {
+        Ok(Endpoint::from_shared(url.to_string())
             .map_err(|error| {
                 DataFusionError::Plan(format!("invalid storage node address '{url}': {error}"))
             })?
-            .connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS))
-            .tcp_nodelay(true);
-        let channel = endpoint.connect().await.map_err(|error| {
-            exec_datafusion_err!("cannot connect to storage node {url}: {error}")
-        })?;
+            .tcp_nodelay(true))
+    }
+
+    fn over(url: &str, secret: Option<&Secret>, channel: Channel) -> Result<Self> {
         let client = FlightServiceClient::with_interceptor(channel, BearerAuth::new(secret)?)
             .max_decoding_message_size(FLIGHT_MESSAGE_BYTES_MAX)
             .max_encoding_message_size(FLIGHT_MESSAGE_BYTES_MAX);

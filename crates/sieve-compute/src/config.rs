@@ -5,6 +5,7 @@ use std::time::Duration;
 use datafusion::common::config::{ConfigExtension, ConfigOptions};
 use datafusion::common::{extensions_options, plan_err, Result};
 
+use crate::catalog::DiscoverySettings;
 use crate::failover::FailoverSettings;
 use crate::join_filter::JoinFilterSettings;
 
@@ -68,6 +69,19 @@ extensions_options! {
         /// nodes have their own, lower bound (`EXPRESSION_DEPTH_MAX`):
         /// deeper filters run on the compute node.
         pub expression_depth_max: usize, default = crate::deep::DEFAULT_EXPRESSION_DEPTH_MAX
+        /// Longest wait for a connection to one storage node while the
+        /// session discovers the cluster, in milliseconds; read when the
+        /// session connects. A node that misses it is left out (and the
+        /// session starts if every slice has another live replica).
+        pub discovery_connect_timeout_ms: u64, default = crate::catalog::DISCOVERY_CONNECT_TIMEOUT_MS
+        /// Longest wait for one storage node's whole catalog (connecting and
+        /// listing) while the session discovers the cluster, in
+        /// milliseconds; read when the session connects.
+        pub discovery_timeout_ms: u64, default = crate::catalog::DISCOVERY_TIMEOUT_MS
+        /// Longest one byte-range request of an NDP-off scan may take before
+        /// it is tried on another replica, in milliseconds; read when the
+        /// session connects.
+        pub range_timeout_ms: u64, default = crate::range_store::RANGE_REQUEST_TIMEOUT_MS
     }
 }
 
@@ -111,6 +125,14 @@ impl SieveConfig {
         FailoverSettings {
             timeout: Duration::from_millis(self.storage_timeout_ms.max(1)),
             retries: self.slice_retries,
+        }
+    }
+
+    /// How the session discovers the cluster.
+    pub fn discovery_settings(&self) -> DiscoverySettings {
+        DiscoverySettings {
+            connect_timeout: Duration::from_millis(self.discovery_connect_timeout_ms.max(1)),
+            listing_timeout: Duration::from_millis(self.discovery_timeout_ms.max(1)),
         }
     }
 

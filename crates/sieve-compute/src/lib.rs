@@ -15,7 +15,8 @@
 //!                     [+ FilterExec for conjuncts outside the allow-list]
 //!     sieve.ndp = off: DataSourceExec(ParquetSource) reading slice files by
 //!                       byte range from the storage nodes (range_store.rs),
-//!                       with DataFusion's own pruning, + FilterExec
+//!                       each range retried on another replica if its node
+//!                       fails, with DataFusion's own pruning, + FilterExec
 //!  ─> the rest of the plan runs here, unchanged
 //! ```
 //!
@@ -45,7 +46,8 @@ mod traffic;
 
 pub use build_keys::{BuildKeys, BuildKeysExec, CollectedKeys};
 pub use catalog::{
-    ClusterCatalog, ClusterSlice, ClusterTable, NodeState, Recovery, NODE_SUSPECT_MS,
+    ClusterCatalog, ClusterSlice, ClusterTable, DiscoveryFailure, DiscoverySettings, NodeState,
+    Recovery, DISCOVERY_CONNECT_TIMEOUT_MS, DISCOVERY_TIMEOUT_MS, NODE_SUSPECT_MS,
 };
 pub use client::{
     as_corrupt_replica, as_node_failure, AuthenticatedFlightClient, BearerAuth, CorruptReplica,
@@ -60,7 +62,7 @@ pub use early_start::{EarlyStartExec, StartScansEarly};
 pub use failover::FailoverSettings;
 pub use join_filter::{JoinFilterSettings, JoinFilterSlot};
 pub use optimizer::{PushAggregateToStorage, WaitForJoinFilters};
-pub use range_store::ClusterRangeStore;
+pub use range_store::{ClusterRangeStore, RANGE_REQUEST_TIMEOUT_MS};
 pub use scan::{PushedAggregate, ScanOptions, SieveScanExec};
 pub use session::{
     connect_session, connect_session_with_config, physical_rules_without_static_filter_pushdown,

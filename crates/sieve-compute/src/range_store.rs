@@ -1,27 +1,59 @@
 //! The NDP-off read path: one [`ObjectStore`] over every storage node's
 //! byte-range endpoint, counting the bytes it receives.
 //!
-//! Paths are `{node}/slices/{table}/{file}`; the first segment picks the
-//! node. Only reads are supported: the compute node never writes slices.
+//! Paths are `{node}/slices/{table}/{file}`; the first segment names the
+//! node the planner picked. Given the catalog ([`ClusterRangeStore::with_catalog`]),
+//! every read goes to the slice's replicas in
+//! [`ClusterCatalog::replica_order`] and fails over:
+//!
+//! ```text
+//!   GET bytes=a-b ── node A ──x  refused / reset / no answer in range_timeout_ms / 5xx
+//!                                 -> A marked failed (NDP-on requests skip it too)
+//!                 ── node B ──>  the same bytes (replicas are byte for byte equal)
+//! ```
+//!
+//! A client error (404, 416, a refused precondition) is the request's and is
+//! not retried. A read is buffered whole before it is returned, so a node
+//! that fails mid-body costs a retry, never half a range. Only reads are
+//! supported: the compute node never writes slices.
 
+use std::collections::HashMap;
 use std::fmt;
+use std::future::Future;
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::stream::BoxStream;
+use futures::StreamExt;
 use http::header::{HeaderMap, HeaderValue, AUTHORIZATION};
 use object_store::http::HttpBuilder;
 use object_store::path::Path;
 use object_store::{
-    ClientOptions, CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta,
-    ObjectStore, ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, PutResult,
+    BackoffConfig, ClientOptions, CopyOptions, GetOptions, GetResult, GetResultPayload, ListResult,
+    MultipartUpload, ObjectMeta, ObjectStore, ObjectStoreExt, PutMultipartOptions, PutOptions,
+    PutPayload, PutResult, RetryConfig,
 };
 
 use sieve_fragment::Secret;
 
-use crate::Traffic;
+use crate::catalog::Recovery;
+use crate::{ClusterCatalog, ClusterSlice, Traffic};
+
+/// Default of `sieve.range_timeout_ms`: the longest one byte-range request
+/// may take, connecting included, before it counts as failed and goes to
+/// another replica. Ranges are column chunks of at most a few megabytes; 30 s
+/// is the NDP-on silence bound (`sieve.storage_timeout_ms`) too.
+pub const RANGE_REQUEST_TIMEOUT_MS: u64 = 30_000;
+
+/// Longest wait for a TCP connection to a byte-range endpoint.
+const RANGE_CONNECT_TIMEOUT_MS: u64 = 2_000;
+
+/// Retries of one request on the same node, for a connection that closed
+/// while idle in the pool; anything more is the next replica's job.
+const RANGE_SAME_NODE_RETRIES_MAX: usize = 1;
 
 /// The URL DataFusion knows this store by.
 pub(crate) const CLUSTER_RANGE_URL: &str = "sieve-range://cluster";
@@ -37,17 +69,28 @@ const POOL_IDLE_TIMEOUT_MS: u64 = 5_000;
 #[derive(Debug)]
 pub struct ClusterRangeStore {
     nodes: Vec<Arc<dyn ObjectStore>>,
+    base_urls: Vec<String>,
     traffic: Arc<Traffic>,
+    replicas: Option<Replicas>,
+}
+
+/// Where each slice file has copies, and the node states to update.
+#[derive(Debug)]
+struct Replicas {
+    catalog: Arc<ClusterCatalog>,
+    /// Slices by file path (`slices/{table}/{file}`).
+    slices: HashMap<String, ClusterSlice>,
 }
 
 impl ClusterRangeStore {
     /// A store over the range endpoints at `base_urls` (`http://host:port`),
     /// one per node, sending `secret` with every request (`None`: nodes
-    /// without one).
+    /// without one); each request gives up after `request_timeout`.
     pub fn try_new(
         base_urls: &[String],
         secret: Option<&Secret>,
         traffic: Arc<Traffic>,
+        request_timeout: Duration,
     ) -> object_store::Result<Self> {
         let mut headers = HeaderMap::new();
         if let Some(secret) = secret {
@@ -60,6 +103,15 @@ impl ClusterRangeStore {
             value.set_sensitive(true);
             headers.insert(AUTHORIZATION, value);
         }
+        let retry = RetryConfig {
+            backoff: BackoffConfig {
+                init_backoff: Duration::from_millis(20),
+                max_backoff: Duration::from_millis(200),
+                base: 2.0,
+            },
+            max_retries: RANGE_SAME_NODE_RETRIES_MAX,
+            retry_timeout: request_timeout,
+        };
         let nodes = base_urls
             .iter()
             .map(|url| {
@@ -71,13 +123,40 @@ impl ClusterRangeStore {
                             .with_pool_idle_timeout(std::time::Duration::from_millis(
                                 POOL_IDLE_TIMEOUT_MS,
                             ))
-                            .with_default_headers(headers.clone()),
+                            .with_default_headers(headers.clone())
+                            .with_timeout(request_timeout)
+                            .with_connect_timeout(
+                                Duration::from_millis(RANGE_CONNECT_TIMEOUT_MS)
+                                    .min(request_timeout),
+                            ),
                     )
+                    .with_retry(retry.clone())
                     .build()
                     .map(|store| Arc::new(store) as Arc<dyn ObjectStore>)
             })
             .collect::<object_store::Result<_>>()?;
-        Ok(Self { nodes, traffic })
+        Ok(Self {
+            nodes,
+            base_urls: base_urls.to_vec(),
+            traffic,
+            replicas: None,
+        })
+    }
+
+    /// Fail over between the replicas `catalog` knows of each slice file,
+    /// marking in it the nodes that fail.
+    pub fn with_catalog(mut self, catalog: Arc<ClusterCatalog>) -> Self {
+        let slices = catalog
+            .tables
+            .values()
+            .flat_map(|table| table.slices.iter())
+            .filter_map(|slice| {
+                let (_, rest) = slice.range_url.split_once("/slices/")?;
+                Some((format!("slices/{rest}"), slice.clone()))
+            })
+            .collect();
+        self.replicas = Some(Replicas { catalog, slices });
+        self
     }
 
     /// The path of `file_path` (`slices/...`) on node `node`.
@@ -85,16 +164,106 @@ impl ClusterRangeStore {
         format!("{node}/{file_path}")
     }
 
-    fn route(&self, location: &Path) -> object_store::Result<(&Arc<dyn ObjectStore>, Path)> {
+    /// The nodes to try for `location`, best first, and the path on them.
+    fn route(&self, location: &Path) -> object_store::Result<(Vec<usize>, Path)> {
         let mut parts = location.parts();
-        let node: Option<usize> = parts.next().and_then(|part| part.as_ref().parse().ok());
-        let store = node.and_then(|node| self.nodes.get(node)).ok_or_else(|| {
-            object_store::Error::NotFound {
+        let node: Option<usize> = parts
+            .next()
+            .and_then(|part| part.as_ref().parse().ok())
+            .filter(|&node| node < self.nodes.len());
+        let Some(node) = node else {
+            return Err(object_store::Error::NotFound {
                 path: location.to_string(),
                 source: "path does not name a storage node".into(),
+            });
+        };
+        let path = Path::from_iter(parts);
+        let order = self
+            .replicas
+            .as_ref()
+            .and_then(|replicas| {
+                let slice = replicas.slices.get(path.as_ref())?;
+                Some(replicas.catalog.replica_order(slice))
+            })
+            .filter(|order| !order.is_empty())
+            .unwrap_or_else(|| vec![node]);
+        Ok((order, path))
+    }
+
+    /// Run `read` on the replicas of `location` until one succeeds; a node
+    /// that fails is marked failed in the catalog. Client errors are
+    /// returned at once: every replica would answer the same.
+    async fn with_failover<T, F, R>(&self, location: &Path, read: F) -> object_store::Result<T>
+    where
+        F: Fn(Arc<dyn ObjectStore>, Path) -> R,
+        R: Future<Output = object_store::Result<T>>,
+    {
+        let (order, path) = self.route(location)?;
+        let mut failures: Vec<String> = Vec::new();
+        let mut first_failure: Option<(usize, Instant)> = None;
+        for &node in &order {
+            let store = Arc::clone(&self.nodes[node]);
+            match read(store, path.clone()).await {
+                Ok(value) => {
+                    if let (Some((failed_node, detected)), Some(replicas)) =
+                        (first_failure, &self.replicas)
+                    {
+                        replicas
+                            .catalog
+                            .recoveries
+                            .lock()
+                            .expect("never poisoned")
+                            .push(Recovery {
+                                failed_node,
+                                detected,
+                                recovered: Instant::now(),
+                            });
+                    }
+                    return Ok(value);
+                }
+                Err(error) if is_request_error(&error) => return Err(error),
+                Err(error) => {
+                    let url = self.base_urls.get(node).map(String::as_str).unwrap_or("?");
+                    log::warn!("byte range of {path} from storage node {url}: {error}");
+                    if let Some(replicas) = &self.replicas {
+                        replicas.catalog.mark_failed(node);
+                    }
+                    first_failure.get_or_insert((node, Instant::now()));
+                    failures.push(format!("storage node {url}: {error}"));
+                }
             }
-        })?;
-        Ok((store, Path::from_iter(parts)))
+        }
+        Err(object_store::Error::Generic {
+            store: "ClusterRangeStore",
+            source: format!(
+                "{path} could not be read: {} of its {} replica(s) tried, every one failed: {}",
+                failures.len(),
+                order.len(),
+                failures.join("; ")
+            )
+            .into(),
+        })
+    }
+}
+
+/// Whether `error` is the request's fault (a 4xx answer), which every
+/// replica would give, rather than its node's (refused, reset, timed out, a
+/// server error, a bad body).
+fn is_request_error(error: &object_store::Error) -> bool {
+    use object_store::Error;
+    match error {
+        Error::NotFound { .. }
+        | Error::InvalidPath { .. }
+        | Error::NotSupported { .. }
+        | Error::AlreadyExists { .. }
+        | Error::Precondition { .. }
+        | Error::NotModified { .. }
+        | Error::NotImplemented { .. }
+        | Error::PermissionDenied { .. }
+        | Error::Unauthenticated { .. } => true,
+        // object_store keeps the status of other answers in a private type;
+        // its message is the only public trace of a 4xx (such as 416).
+        _ => error.to_string().contains("non-2xx status code: 4"),
     }
 }
 
@@ -135,11 +304,31 @@ impl ObjectStore for ClusterRangeStore {
         location: &Path,
         options: GetOptions,
     ) -> object_store::Result<GetResult> {
-        let (store, path) = self.route(location)?;
-        let result = store.get_opts(&path, options).await?;
-        self.traffic
-            .add_range_response(result.range.end - result.range.start);
-        Ok(result)
+        let result = self
+            .with_failover(location, |store, path| {
+                let options = options.clone();
+                async move {
+                    let result = store.get_opts(&path, options).await?;
+                    let (meta, range, attributes) = (
+                        result.meta.clone(),
+                        result.range.clone(),
+                        result.attributes.clone(),
+                    );
+                    // The whole body within the attempt: a node that fails
+                    // mid-body is retried on a replica.
+                    let bytes = result.bytes().await?;
+                    Ok((meta, range, attributes, bytes))
+                }
+            })
+            .await?;
+        let (meta, range, attributes, bytes) = result;
+        self.traffic.add_range_response(bytes.len() as u64);
+        Ok(GetResult {
+            payload: GetResultPayload::Stream(futures::stream::once(async { Ok(bytes) }).boxed()),
+            meta,
+            range,
+            attributes,
+        })
     }
 
     async fn get_ranges(
@@ -151,17 +340,18 @@ impl ObjectStore for ClusterRangeStore {
         // count the bytes of each request actually made: the gaps between
         // coalesced ranges cross the link too (at SF 0.01, 65% more than
         // the ranges asked for).
-        let (store, path) = self.route(location)?;
         let traffic = &self.traffic;
         object_store::coalesce_ranges(
             ranges,
-            |range| {
-                let (store, path) = (store, &path);
-                async move {
-                    let bytes = store.get_range(path, range).await?;
-                    traffic.add_range_response(bytes.len() as u64);
-                    Ok::<_, object_store::Error>(bytes)
-                }
+            |range| async move {
+                let bytes = self
+                    .with_failover(location, |store, path| {
+                        let range = range.clone();
+                        async move { store.get_range(&path, range).await }
+                    })
+                    .await?;
+                traffic.add_range_response(bytes.len() as u64);
+                Ok::<_, object_store::Error>(bytes)
             },
             object_store::OBJECT_STORE_COALESCE_DEFAULT,
         )
@@ -172,12 +362,10 @@ impl ObjectStore for ClusterRangeStore {
         &self,
         locations: BoxStream<'static, object_store::Result<Path>>,
     ) -> BoxStream<'static, object_store::Result<Path>> {
-        use futures::StreamExt;
         locations.map(|_| Err(read_only())).boxed()
     }
 
     fn list(&self, _prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
-        use futures::StreamExt;
         futures::stream::once(async { Err(read_only()) }).boxed()
     }
 

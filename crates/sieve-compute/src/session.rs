@@ -1,6 +1,7 @@
 //! A compute session connected to a cluster of storage nodes.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use datafusion::common::{DataFusionError, Result};
 use datafusion::execution::object_store::ObjectStoreUrl;
@@ -87,15 +88,23 @@ pub fn physical_rules_without_static_filter_pushdown(
         .collect()
 }
 
-/// Like [`connect_session`], starting from `config`.
+/// Like [`connect_session`], starting from `config`. Sieve settings already
+/// in `config` (a [`SieveConfig`] extension) are kept; those read when the
+/// session connects (discovery and byte-range timeouts) take effect only so.
+///
+/// The session starts without the storage nodes that fail or time out, as
+/// long as every slice has a live replica
+/// ([`ClusterCatalog::discover_with`]).
 pub async fn connect_session_with_config(
     urls: &[String],
     secret: Option<&Secret>,
     config: SessionConfig,
 ) -> Result<SieveSession> {
-    let catalog = Arc::new(ClusterCatalog::discover(urls, secret).await?);
+    let sieve = SieveConfig::of(config.options());
+    let catalog =
+        Arc::new(ClusterCatalog::discover_with(urls, secret, sieve.discovery_settings()).await?);
     let traffic = Arc::new(Traffic::default());
-    let sieve = SieveConfig::default();
+    let range_timeout = Duration::from_millis(sieve.range_timeout_ms.max(1));
     let mut config = config
         .with_option_extension(sieve)
         .with_information_schema(true);
@@ -120,29 +129,20 @@ pub async fn connect_session_with_config(
         .with_physical_optimizer_rule(Arc::new(StartScansEarly))
         .build();
     let context = SessionContext::new_with_state(state);
-    let mut range_urls: Vec<String> = vec![String::new(); catalog.clients.len()];
-    for table in catalog.tables.values() {
-        for slice in &table.slices {
-            if let Some((base, _)) = slice.range_url.split_once("/slices/") {
-                range_urls[slice.node] = base.to_string();
-            }
-        }
-    }
-    let store = ClusterRangeStore::try_new(
-        &range_urls
-            .iter()
-            .map(|url| {
-                if url.is_empty() {
-                    "http://0.0.0.0:1".to_string()
-                } else {
-                    url.clone()
-                }
-            })
-            .collect::<Vec<_>>(),
-        secret,
-        Arc::clone(&traffic),
-    )
-    .map_err(|error| DataFusionError::External(Box::new(error)))?;
+    // A node that holds no slice (or failed discovery) is never routed to;
+    // its place holds an address nothing listens on.
+    let range_urls: Vec<String> = catalog
+        .range_urls
+        .iter()
+        .map(|url| {
+            url.clone()
+                .unwrap_or_else(|| "http://0.0.0.0:1".to_string())
+        })
+        .collect();
+    let store =
+        ClusterRangeStore::try_new(&range_urls, secret, Arc::clone(&traffic), range_timeout)
+            .map_err(|error| DataFusionError::External(Box::new(error)))?
+            .with_catalog(Arc::clone(&catalog));
     let url = ObjectStoreUrl::parse(CLUSTER_RANGE_URL)?;
     context.register_object_store(url.as_ref(), Arc::new(store));
     for (name, table) in &catalog.tables {

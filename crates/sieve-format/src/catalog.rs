@@ -43,6 +43,10 @@ pub struct SliceSummary {
     pub columns: Vec<ColumnSummary>,
     /// Relative path of the slice file, for the byte-range endpoint.
     pub file: String,
+    /// Slices of the table over the whole cluster, if the load recorded it
+    /// ([`crate::TABLE_SLICES_KEY`]); absent from older nodes' summaries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub table_slices: Option<u32>,
 }
 
 /// A table as one storage node holds it: the slices on that node.

@@ -18,6 +18,12 @@ use parquet::schema::types::ColumnPath;
 /// compute node uses it to estimate how many groups a GROUP BY makes per slice.
 pub const DISTINCT_COUNTS_KEY: &str = "sieve.distinct_counts";
 
+/// Key of the Parquet key-value metadata entry holding how many slices the
+/// slice's table has over the whole cluster (a decimal number), where the
+/// load knew it. A compute node that cannot reach every storage node checks
+/// with it that every slice still has a live replica.
+pub const TABLE_SLICES_KEY: &str = "sieve.table_slices";
+
 /// The physical layout of the slices of one table.
 ///
 /// Defaults were chosen by measurement (see README, "Page size"): pages of
@@ -91,6 +97,18 @@ pub fn write_slice(
     layout: &SliceLayout,
     batches: impl IntoIterator<Item = std::result::Result<RecordBatch, arrow::error::ArrowError>>,
 ) -> Result<usize> {
+    write_table_slice(path, schema, layout, None, batches)
+}
+
+/// Like [`write_slice`], recording that the table has `table_slices` slices
+/// in all ([`TABLE_SLICES_KEY`]), if known.
+pub fn write_table_slice(
+    path: &Path,
+    schema: &SchemaRef,
+    layout: &SliceLayout,
+    table_slices: Option<u32>,
+    batches: impl IntoIterator<Item = std::result::Result<RecordBatch, arrow::error::ArrowError>>,
+) -> Result<usize> {
     let parent = path.parent().ok_or_else(|| {
         ParquetError::General(format!("slice path {} has no parent", path.display()))
     })?;
@@ -114,6 +132,12 @@ pub fn write_slice(
         DISTINCT_COUNTS_KEY.to_string(),
         serde_json::to_string(&distinct.finish()).expect("a list of integers is JSON"),
     ));
+    if let Some(table_slices) = table_slices {
+        writer.append_key_value_metadata(KeyValue::new(
+            TABLE_SLICES_KEY.to_string(),
+            table_slices.to_string(),
+        ));
+    }
     let mut file = writer.into_inner()?;
     file.flush()?;
     drop(file);

@@ -34,13 +34,16 @@ pub use checksum::{
     add_page_checksums, find_page_corruption, page_ranges, PageChecksums, PageCorruption,
     PAGE_CHECKSUMS_KEY,
 };
-pub use layout::{copy_slice, write_slice, SliceLayout, DISTINCT_COUNTS_KEY};
+pub use layout::{
+    copy_slice, write_slice, write_table_slice, SliceLayout, DISTINCT_COUNTS_KEY, TABLE_SLICES_KEY,
+};
 pub use tpch::{generate_tpch, is_generated, replica_nodes, slice_path, TpchTable, TPCH_TABLES};
 
 /// Version of the on-disk layout. A load written by another version is not
 /// considered complete and is generated again (version 2 added the per-column
-/// distinct counts, version 3 the page checksums).
-pub const FORMAT_VERSION: u32 = 3;
+/// distinct counts, version 3 the page checksums or each slice's table slice count,
+/// version 4 both).
+pub const FORMAT_VERSION: u32 = 4;
 
 /// Name of the marker file written after every slice of a load is in place.
 pub const LOAD_COMPLETE_MARKER: &str = "_SUCCESS";

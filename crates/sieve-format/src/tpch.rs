@@ -17,7 +17,8 @@ use tpchgen_arrow::{
 };
 
 use crate::{
-    copy_slice, node_directory, write_slice, SliceLayout, FORMAT_VERSION, LOAD_COMPLETE_MARKER,
+    copy_slice, node_directory, write_table_slice, SliceLayout, FORMAT_VERSION,
+    LOAD_COMPLETE_MARKER,
 };
 
 /// Rows per generated Arrow batch.
@@ -198,7 +199,9 @@ pub fn generate_tpch(
                 let (schema, batches) = table.generate(scale_factor, *part as i32, *parts as i32);
                 let copies = replica_nodes(*node, replicas, nodes);
                 let path = slice_path(&node_directory(root, copies[0]), table.name, *part);
-                let mut written = write_slice(&path, &schema, layout, batches).map(|_| ());
+                let table_slices = u32::try_from(*parts).ok();
+                let mut written =
+                    write_table_slice(&path, &schema, layout, table_slices, batches).map(|_| ());
                 for &copy in &copies[1..] {
                     if written.is_ok() {
                         let to = slice_path(&node_directory(root, copy), table.name, *part);

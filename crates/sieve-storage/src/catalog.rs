@@ -360,6 +360,7 @@ fn open_slice(
             .file_name()
             .map(|name| name.to_string_lossy().into_owned())
             .unwrap_or_default(),
+        table_slices: table_slices(&metadata),
     };
     let checksums = sieve_format::PageChecksums::from_metadata(&metadata)?;
     if checksums.is_none() {
@@ -420,6 +421,19 @@ fn distinct_counts(metadata: &ParquetMetaData, columns: usize) -> Vec<Option<u64
         Some(counts) => counts.into_iter().map(Some).collect(),
         None => vec![None; columns],
     }
+}
+
+/// The table's slice count the load recorded in the slice, if any.
+fn table_slices(metadata: &ParquetMetaData) -> Option<u32> {
+    metadata
+        .file_metadata()
+        .key_value_metadata()?
+        .iter()
+        .find(|entry| entry.key == sieve_format::TABLE_SLICES_KEY)?
+        .value
+        .as_deref()?
+        .parse()
+        .ok()
 }
 
 /// Min, max and NULL count of one column over all row groups of a slice.

@@ -1,7 +1,7 @@
 //! Fault injection: make a node in this process fail the way a real one does.
 //!
-//! Every Flight connection is wrapped in a [`FaultyStream`]. Throwing the
-//! switch makes a node
+//! Every Flight and byte-range connection is wrapped in a [`FaultyStream`].
+//! Throwing the switch makes a node
 //! - **killed**: every open connection fails at once (reads end, writes
 //!   fail), so a client mid-stream sees its connection drop, as after a crash;
 //!   new connections are refused because the node stops listening;
@@ -9,8 +9,9 @@
 //!   hung host does; only a client's timeout notices.
 //!
 //! `kill_after_messages(n)` throws the kill switch from inside the node after
-//! it has sent `n` more data messages, so a test can kill a node in the
-//! middle of a slice stream deterministically.
+//! it has sent `n` more data messages (Flight data messages and byte-range
+//! responses), so a test can kill a node in the middle of a slice stream or
+//! of an NDP-off scan deterministically.
 
 use std::io;
 use std::pin::Pin;

@@ -82,6 +82,7 @@ impl StorageNode {
             bytes_served: Arc::clone(&range_bytes_served),
             auth: config.auth.clone().map(Arc::new),
             in_flight: crate::range::range_bytes_budget(),
+            faults: Arc::clone(&faults),
         });
         let (range_stop, range_stopped) = oneshot::channel::<()>();
         let range_acceptor =
@@ -90,6 +91,7 @@ impl StorageNode {
             range_acceptor,
             range_app,
             config.limits.clone(),
+            Arc::clone(&faults),
             range_stopped,
         ));
 
@@ -265,6 +267,7 @@ async fn serve_range(
     acceptor: BoundedAcceptor,
     app: axum::Router,
     limits: ConnectionLimits,
+    faults: Arc<Faults>,
     mut stop: oneshot::Receiver<()>,
 ) {
     use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -298,6 +301,8 @@ async fn serve_range(
         };
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
         let builder = Arc::clone(&builder);
+        // Range connections obey the fault switch, as Flight's do.
+        let stream = faults.wrap(stream);
         connections.spawn(async move {
             let io = TokioIo::new(guard.wrap(stream));
             if let Err(error) = builder.serve_connection(io, service).await {

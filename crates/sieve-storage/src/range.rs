@@ -21,6 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use sieve_fragment::Secret;
 
 use crate::catalog::open_slice_file;
+use crate::faults::Faults;
 use crate::NodeCatalog;
 
 /// Upper bound on one range response. DataFusion asks for column chunks and
@@ -49,6 +50,8 @@ pub(crate) struct RangeState {
     pub(crate) auth: Option<Arc<Secret>>,
     /// Bytes of responses held at once ([`RANGE_BYTES_IN_FLIGHT_MAX`]).
     pub(crate) in_flight: Arc<tokio::sync::Semaphore>,
+    /// The node's fault switch: a range response counts as a data message.
+    pub(crate) faults: Arc<Faults>,
 }
 
 pub(crate) fn router(state: RangeState) -> Router {
@@ -183,6 +186,7 @@ async fn serve_inner(
     let mut buffer = vec![0u8; length as usize];
     handle.read_exact(&mut buffer).await.map_err(internal)?;
     state.bytes_served.fetch_add(length, Ordering::Relaxed);
+    state.faults.message_sent();
     // The bytes count against the budget until the body has been sent.
     let body = futures::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(buffer))]).chain(
         futures::stream::once(async move {
