@@ -230,6 +230,10 @@ impl PageChecksums {
 /// pages), in row group, column, page order. `metadata` must carry the
 /// offset index.
 pub fn page_ranges(metadata: &ParquetMetaData) -> Result<Vec<Range<u64>>> {
+    // A slice without rows has no row group, no page and no offset index.
+    if metadata.row_groups().is_empty() {
+        return Ok(Vec::new());
+    }
     let offset_index = metadata
         .offset_index()
         .ok_or_else(|| ParquetError::General("the slice has no offset index".to_string()))?;
