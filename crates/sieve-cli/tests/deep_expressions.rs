@@ -104,6 +104,29 @@ fn deep_filters_get_their_answer_on_the_compute_node() {
         let got = rows_as_text(&run(&session.context, &or_sql).await.unwrap(), false).unwrap();
         assert_eq!(got, expected);
 
+        // An IN list of 50,000 long strings encodes past half the fragment
+        // bound: it stays here, and the answer is right.
+        let mut values: Vec<String> = (0..50_000)
+            .map(|value| format!("'{value:0>100}'"))
+            .collect();
+        values.extend(["'AIR'".to_string(), "'MAIL'".to_string()]);
+        let sql = format!(
+            "select count(*) from lineitem where l_shipmode in ({})",
+            values.join(", ")
+        );
+        let expected = rows_as_text(&run(&reference, &sql).await.unwrap(), false).unwrap();
+        let got = rows_as_text(&run(&session.context, &sql).await.unwrap(), false).unwrap();
+        assert_eq!(got, expected);
+        let plan = run(&session.context, &format!("explain {sql}"))
+            .await
+            .unwrap();
+        let plan = rows_as_text(&plan, false).unwrap().join("\n");
+        assert!(
+            plan.contains("above half the limit of 4194304"),
+            "{}",
+            &plan[..2000.min(plan.len())]
+        );
+
         // 10,000 terms that are no list: a clear error, and the session goes on.
         let error = run(&session.context, &chain(10_000))
             .await

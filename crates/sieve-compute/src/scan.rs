@@ -910,13 +910,24 @@ impl SieveScanExec {
                                 vec![format!("join filters not pushed: {reason}")];
                             return Ok(base_body);
                         }
-                        *resolved_out.lock().expect("never poisoned") = descriptions;
                         let fragment = sieve_fragment::Fragment {
                             projection: shipped,
                             predicate: Some(predicate),
                             aggregate,
                         };
-                        Ok::<_, DataFusionError>(Arc::new(fragment.encode_body(&table.schema)?))
+                        match fragment.encode_body(&table.schema) {
+                            Ok(body) => {
+                                *resolved_out.lock().expect("never poisoned") = descriptions;
+                                Ok::<_, DataFusionError>(Arc::new(body))
+                            }
+                            Err(error) => {
+                                *resolved_out.lock().expect("never poisoned") = vec![format!(
+                                    "join filters not pushed: {}",
+                                    error.strip_backtrace()
+                                )];
+                                Ok(base_body)
+                            }
+                        }
                     };
                     resolve.await.map_err(|error| error.strip_backtrace())
                 })

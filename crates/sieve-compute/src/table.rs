@@ -278,5 +278,28 @@ fn split_pushable(
         ));
         residual.extend(kept.pop());
     }
+    // The encoded fragment has its own bound (FRAGMENT_BYTES_MAX), with
+    // half of it left for join filters: the largest conjuncts stay here
+    // until it fits.
+    while !kept.is_empty() {
+        let fragment = sieve_fragment::Fragment {
+            projection: vec![],
+            predicate: Some(physical_conjunction(kept.clone())),
+            aggregate: None,
+        };
+        let encoded = fragment.encode_body(schema).map(|body| body.len());
+        let bytes = match encoded {
+            Ok(bytes) if bytes <= sieve_fragment::FRAGMENT_BYTES_MAX / 2 => break,
+            Ok(bytes) => bytes,
+            Err(_) => sieve_fragment::FRAGMENT_BYTES_MAX + 1,
+        };
+        notes.push(format!(
+            "filter kept on the compute node: a fragment of at least {bytes} bytes, \
+             above half the limit of {}",
+            sieve_fragment::FRAGMENT_BYTES_MAX
+        ));
+        kept.sort_by_key(|conjunct| ExpressionShape::of(conjunct).nodes);
+        residual.extend(kept.pop());
+    }
     (kept, residual, notes)
 }
