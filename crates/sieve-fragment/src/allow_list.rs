@@ -132,7 +132,26 @@ fn is_allowed_operator(operator: &Operator) -> bool {
 /// names the first thing refused.
 pub fn check_allowed(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Result<()> {
     check_expression_limits(expr)?;
+    check_columns(expr, schema)?;
     check_allowed_within_limits(expr, schema)
+}
+
+/// Every column of `expr` names a field of `schema` by index and name.
+/// Checked first, without recursion: computing a type looks fields up by
+/// index, and an index past the schema's end panics in Arrow.
+fn check_columns(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Result<()> {
+    let mut stack = vec![expr];
+    while let Some(node) = stack.pop() {
+        if let Some(column) = node.downcast_ref::<Column>() {
+            if column.index() >= schema.fields().len()
+                || schema.field(column.index()).name() != column.name()
+            {
+                return plan_err!("column {column} does not exist in the table schema");
+            }
+        }
+        stack.extend(node.children());
+    }
+    Ok(())
 }
 
 /// [`check_allowed`] on a tree already known to be within the limits: its

@@ -422,6 +422,11 @@ impl DecodedBody {
             }
             None => None,
         };
+        if body.aggregate.is_some() && projection.is_empty() {
+            // Every aggregate fragment ships at least one column; over none,
+            // decoding the operators would look up fields that do not exist.
+            return plan_err!("NDP fragment aggregates over an empty projection");
+        }
         let aggregate = match &body.aggregate {
             Some(node) => {
                 let slice_schema = Arc::new(schema.project(&projection)?);
