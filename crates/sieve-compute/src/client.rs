@@ -18,7 +18,9 @@ use sieve_fragment::{
     DataError, SliceMessage, SliceMessageKind, SliceMetrics, CORRUPT_FILE_METADATA,
     CORRUPT_SLICE_KIND, ERROR_KIND_METADATA,
 };
-use sieve_fragment::{Secret, AUTHORIZATION_HEADER};
+use sieve_fragment::{
+    Secret, AUTHORIZATION_HEADER, REGISTER_JOIN_FILTER_ACTION, RELEASE_JOIN_FILTER_ACTION,
+};
 use tonic::metadata::AsciiMetadataValue;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
@@ -295,6 +297,55 @@ impl StorageClient {
             .map_err(|error| exec_datafusion_err!("stats from {}: {error}", self.url))
     }
 
+    /// Register a join filter (an encoded
+    /// [`sieve_fragment::JoinFilterRegistration`] with id `id`) on this node,
+    /// within `timeout`.
+    pub async fn register_join_filter(
+        &self,
+        registration: Vec<u8>,
+        id: &[u8],
+        timeout: Duration,
+    ) -> Result<()> {
+        let mut client = self.client.clone();
+        let action = arrow_flight::Action::new(REGISTER_JOIN_FILTER_ACTION, registration);
+        let answer = tokio::time::timeout(timeout, async {
+            let mut results = client.do_action(action).await?.into_inner();
+            results.message().await
+        })
+        .await
+        .map_err(|_| {
+            exec_datafusion_err!(
+                "join filter registration on {}: no answer within {} ms",
+                self.url,
+                timeout.as_millis()
+            )
+        })?
+        .map_err(|status| {
+            exec_datafusion_err!("join filter registration on {}: {status}", self.url)
+        })?;
+        match answer {
+            Some(result) if result.body.as_ref() == id => Ok(()),
+            _ => Err(exec_datafusion_err!(
+                "join filter registration on {}: the node answered another id",
+                self.url
+            )),
+        }
+    }
+
+    /// Release one registration of the join filter `id` on this node.
+    pub async fn release_join_filter(&self, id: &[u8], timeout: Duration) -> Result<()> {
+        let mut client = self.client.clone();
+        let action = arrow_flight::Action::new(RELEASE_JOIN_FILTER_ACTION, id.to_vec());
+        tokio::time::timeout(timeout, async {
+            let mut results = client.do_action(action).await?.into_inner();
+            results.message().await
+        })
+        .await
+        .map_err(|_| exec_datafusion_err!("join filter release on {}: no answer", self.url))?
+        .map_err(|status| exec_datafusion_err!("join filter release on {}: {status}", self.url))?;
+        Ok(())
+    }
+
     /// The tables this node holds (Flight `ListFlights`).
     pub(crate) async fn list_tables(&self) -> Result<Vec<NodeTable>> {
         let mut client = self.client.clone();
@@ -365,7 +416,7 @@ impl StorageClient {
         };
         let this = self.clone();
         let started = futures::stream::once(async move {
-            traffic.add_slice_request();
+            traffic.add_slice_request(envelope.len() as u64);
             let mut client = this.client.clone();
             let response = tokio::time::timeout(timeout, client.do_get(Ticket::new(envelope)))
                 .await
@@ -399,11 +450,15 @@ impl StorageClient {
         let shipped = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let (trailer_in, shipped_in, raw_in) =
             (Arc::clone(&trailer), Arc::clone(&shipped), Arc::clone(&raw));
+        // Counted as each message arrives, so a stream that fails or is
+        // dropped midway still counts what crossed the link.
+        let traffic_in = Arc::clone(&traffic);
         let messages = messages.try_filter_map(move |message: FlightData| {
             let size = (message.data_header.len()
                 + message.data_body.len()
                 + message.app_metadata.len()) as u64;
             shipped_in.fetch_add(size, std::sync::atomic::Ordering::Relaxed);
+            traffic_in.add_flight_bytes(size);
             if !message.data_header.is_empty() || message.app_metadata.is_empty() {
                 return futures::future::ready(Ok(Some(message)));
             }
@@ -464,7 +519,6 @@ impl StorageClient {
         let url = self.url.clone();
         let done = futures::stream::once(async move {
             let bytes_shipped = shipped.load(std::sync::atomic::Ordering::Relaxed);
-            traffic.add_flight_bytes(bytes_shipped);
             let metrics = trailer
                 .lock()
                 .expect("never poisoned")

@@ -35,9 +35,12 @@ extensions_options! {
         /// Build-side keys up to this many go as an exact IN list when no key
         /// bitmap fits (up to 20, always).
         pub join_filter_list_max: usize, default = 1024
-        /// Build-side keys up to this many go as a Bloom filter (beyond, the
-        /// key range only). DataFusion hands over key lists up to this size.
-        pub join_filter_keys_max: usize, default = 262144
+        /// Build-side keys up to this many go as a key bitmap or a Bloom
+        /// filter (beyond, the key range only); the compute node collects
+        /// up to four build rows per key to find them. A join filter is
+        /// registered once on each storage node of the probe scan, not sent
+        /// with every slice request.
+        pub join_filter_keys_max: usize, default = 16 * 1024 * 1024
         /// False-positive rate the join Bloom filters are sized for.
         pub join_filter_bloom_fpp: f64, default = 0.01
         /// Integer keys go as an exact bitmap over their range instead of a

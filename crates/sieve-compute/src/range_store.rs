@@ -280,6 +280,15 @@ fn read_only() -> object_store::Error {
     }
 }
 
+/// Bytes a byte-range request sends, estimated as its request line and
+/// headers: the path, and a fixed allowance for the method, version, host,
+/// range, and a bearer authorization header of a 64-character secret. The
+/// request has no body.
+fn range_request_bytes(path: &Path) -> u64 {
+    const HEADERS_BYTES: u64 = 170;
+    path.as_ref().len() as u64 + HEADERS_BYTES
+}
+
 #[async_trait]
 impl ObjectStore for ClusterRangeStore {
     async fn put_opts(
@@ -307,6 +316,7 @@ impl ObjectStore for ClusterRangeStore {
         let result = self
             .with_failover(location, |store, path| {
                 let options = options.clone();
+                self.traffic.add_sent(range_request_bytes(&path));
                 async move {
                     let result = store.get_opts(&path, options).await?;
                     let (meta, range, attributes) = (
@@ -347,6 +357,7 @@ impl ObjectStore for ClusterRangeStore {
                 let bytes = self
                     .with_failover(location, |store, path| {
                         let range = range.clone();
+                        traffic.add_sent(range_request_bytes(&path));
                         async move { store.get_range(&path, range).await }
                     })
                     .await?;

@@ -41,10 +41,12 @@ use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PlanProperties,
 };
 use futures::{stream, StreamExt, TryStreamExt};
-use sieve_fragment::{DecodedBody, FragmentEnvelope, IpcCodec};
+use sieve_fragment::{
+    DecodedBody, FragmentEnvelope, IpcCodec, JoinFilterRegistration, JOIN_FILTER_ID_BYTES,
+};
 
 use crate::build_keys::BuildKeys;
-use crate::client::SlicePart;
+use crate::client::{SlicePart, StorageClient};
 use crate::early_start::{buffer_ahead, EarlySlots};
 use crate::estimate::filtered_statistics;
 use crate::failover::{request_slice, FailoverSettings, SliceRequests};
@@ -83,7 +85,7 @@ pub struct SieveScanExec {
     /// dealt round robin to the partitions.
     units: Arc<Vec<WorkUnit>>,
     /// The fragment body with join filters, resolved once for all partitions.
-    resolved_body: Arc<tokio::sync::OnceCell<std::result::Result<Arc<Vec<u8>>, String>>>,
+    resolved_body: Arc<tokio::sync::OnceCell<std::result::Result<Arc<ResolvedBody>, String>>>,
     /// The encoded fragment body without join filters, shared by every slice request.
     body: Arc<Vec<u8>>,
     slices_in_flight: usize,
@@ -394,6 +396,19 @@ impl SieveScanExec {
         !self.join_filters.is_empty()
     }
 
+    /// Nodes holding a copy of a slice this scan asks for: where its join
+    /// filters are registered.
+    fn registration_nodes(&self) -> Vec<usize> {
+        let mut nodes: Vec<usize> = self
+            .units
+            .iter()
+            .flat_map(|unit| unit.slice.replicas.iter().copied())
+            .collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        nodes
+    }
+
     /// Whether the scan's requests wait for a join's build side.
     pub fn waits_for_join_filters(&self) -> bool {
         self.join_filters.iter().any(|slot| slot.source.is_some())
@@ -495,8 +510,13 @@ struct RawCompletion {
 }
 
 impl RawCompletion {
-    fn run(&self, pages: RawPages, body: &[u8]) -> Result<SendableRecordBatchStream> {
-        let decoded = self
+    fn run(
+        &self,
+        pages: RawPages,
+        body: &[u8],
+        join_filter: Option<Arc<dyn PhysicalExpr>>,
+    ) -> Result<SendableRecordBatchStream> {
+        let mut decoded = self
             .body
             .get_or_init(|| {
                 DecodedBody::decode(body, &self.schema, &self.context)
@@ -505,6 +525,14 @@ impl RawCompletion {
             })
             .clone()
             .map_err(DataFusionError::Execution)?;
+        // The registered join filter, applied as the storage node would.
+        if let Some(filter) = join_filter {
+            let mut with_filter = DecodedBody::clone(&decoded);
+            with_filter.predicate = Some(physical_conjunction(
+                with_filter.predicate.take().into_iter().chain([filter]),
+            ));
+            decoded = Arc::new(with_filter);
+        }
         let batch_rows = self.context.session_config().batch_size();
         complete_raw(
             pages,
@@ -513,6 +541,54 @@ impl RawCompletion {
             Arc::clone(&self.context),
             batch_rows,
         )
+    }
+}
+
+/// The fragment body of a scan's slice requests, and the join filter they
+/// name, once the join filters are resolved.
+#[derive(Debug)]
+struct ResolvedBody {
+    /// The encoded body (without join filters).
+    body: Arc<Vec<u8>>,
+    join_filter: Option<RegisteredJoinFilter>,
+}
+
+/// A join filter registered on the storage nodes for one execution of a
+/// scan; released on every node when the scan's plan is dropped (nodes
+/// also drop it once idle, `sieve_storage::JOIN_FILTER_IDLE_TIMEOUT`).
+struct RegisteredJoinFilter {
+    id: [u8; JOIN_FILTER_ID_BYTES],
+    /// The filter, over the table schema: what a raw slice is completed with.
+    filter: Arc<dyn PhysicalExpr>,
+    /// Nodes that accepted it.
+    nodes: Vec<StorageClient>,
+    traffic: Arc<Traffic>,
+    timeout: Duration,
+}
+
+impl fmt::Debug for RegisteredJoinFilter {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_struct("RegisteredJoinFilter")
+            .field("nodes", &self.nodes.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for RegisteredJoinFilter {
+    fn drop(&mut self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        for client in self.nodes.drain(..) {
+            let (id, timeout) = (self.id, self.timeout);
+            self.traffic.add_sent(id.len() as u64);
+            runtime.spawn(async move {
+                if let Err(error) = client.release_join_filter(&id, timeout).await {
+                    log::debug!("{}", error.strip_backtrace());
+                }
+            });
+        }
     }
 }
 
@@ -870,71 +946,128 @@ impl SieveScanExec {
         let table = Arc::clone(&self.table);
         let shipped = self.shipped.clone();
         let predicate = self.predicate.clone();
-        let aggregate = self
-            .aggregate
-            .as_ref()
-            .map(|pushed| Arc::clone(&pushed.plan));
         let resolved_body = Arc::clone(&self.resolved_body);
         let distinct_bounds: Vec<Option<u64>> = (0..self.shipped.len())
             .map(|index| self.column_distinct_bound(index))
             .collect();
         let waits = self.waits_for_join_filters();
-        let body = async move {
-            if !waits {
-                return Ok(base_body);
-            }
-            // The first partition to get here resolves; the others wait for it.
-            let resolved = resolved_body
-                .get_or_init(|| async move {
-                    let resolve = async {
-                        let probe = ProbeColumns {
-                            shipped: &shipped,
-                            table_schema: &table.schema,
-                            distinct_bounds: &distinct_bounds,
-                        };
-                        let (conjuncts, descriptions) =
-                            resolve(&join_filters, &join_settings, probe).await?;
-                        if conjuncts.is_empty() {
-                            *resolved_out.lock().expect("never poisoned") = descriptions;
-                            return Ok(base_body);
-                        }
-                        let predicate =
-                            physical_conjunction(predicate.into_iter().chain(conjuncts));
-                        // Join filters are an optimisation: a fragment they
-                        // would take past the storage nodes' limits goes
-                        // without them.
-                        if let Some(reason) =
-                            sieve_fragment::ExpressionShape::of(&predicate).exceeded()
-                        {
-                            *resolved_out.lock().expect("never poisoned") =
-                                vec![format!("join filters not pushed: {reason}")];
-                            return Ok(base_body);
-                        }
-                        let fragment = sieve_fragment::Fragment {
-                            projection: shipped,
-                            predicate: Some(predicate),
-                            aggregate,
-                        };
-                        match fragment.encode_body(&table.schema) {
-                            Ok(body) => {
+        let registration_nodes = self.registration_nodes();
+        let registration_timeout = self.failover.timeout;
+        let filter_bytes = builder().counter("join_filter_bytes_sent", partition);
+        let body = {
+            let (catalog, traffic) = (Arc::clone(&catalog), Arc::clone(&traffic));
+            async move {
+                let plain = |body: &Arc<Vec<u8>>| {
+                    Arc::new(ResolvedBody {
+                        body: Arc::clone(body),
+                        join_filter: None,
+                    })
+                };
+                if !waits {
+                    return Ok(plain(&base_body));
+                }
+                // The first partition to get here resolves; the others wait for it.
+                let resolved = resolved_body
+                    .get_or_init(|| async move {
+                        let resolve = async {
+                            let probe = ProbeColumns {
+                                shipped: &shipped,
+                                table_schema: &table.schema,
+                                distinct_bounds: &distinct_bounds,
+                            };
+                            let (conjuncts, mut descriptions) =
+                                resolve(&join_filters, &join_settings, probe).await?;
+                            let note = |descriptions: Vec<String>| {
                                 *resolved_out.lock().expect("never poisoned") = descriptions;
-                                Ok::<_, DataFusionError>(Arc::new(body))
+                            };
+                            if conjuncts.is_empty() {
+                                note(descriptions);
+                                return Ok(plain(&base_body));
                             }
-                            Err(error) => {
-                                *resolved_out.lock().expect("never poisoned") = vec![format!(
-                                    "join filters not pushed: {}",
-                                    error.strip_backtrace()
-                                )];
-                                Ok(base_body)
+                            let filter = physical_conjunction(conjuncts);
+                            // Join filters are an optimisation: one that would
+                            // take the node's predicate past the fragment
+                            // limits, or a registration past its bound, is
+                            // not pushed.
+                            let combined = physical_conjunction(
+                                predicate.iter().cloned().chain([Arc::clone(&filter)]),
+                            );
+                            if let Some(reason) =
+                                sieve_fragment::ExpressionShape::of(&combined).exceeded()
+                            {
+                                note(vec![format!("join filters not pushed: {reason}")]);
+                                return Ok(plain(&base_body));
                             }
-                        }
-                    };
-                    resolve.await.map_err(|error| error.strip_backtrace())
-                })
-                .await;
-            resolved
-                .clone()
-                .map_err(|error| DataFusionError::Execution(format!("join filter: {error}")))
+                            let (registration, id) = match JoinFilterRegistration::encode(
+                                &table.name,
+                                &table.schema,
+                                &filter,
+                            ) {
+                                Ok(encoded) => encoded,
+                                Err(error) => {
+                                    note(vec![format!(
+                                        "join filters not pushed: {}",
+                                        error.strip_backtrace()
+                                    )]);
+                                    return Ok(plain(&base_body));
+                                }
+                            };
+                            // Once per node that holds a slice of the scan,
+                            // all at once; a node that misses it runs its
+                            // slices without it (the answer is the same).
+                            let sent = registration.len() as u64;
+                            let registered =
+                                futures::future::join_all(registration_nodes.iter().map(|&node| {
+                                    let client = catalog.clients[node].clone();
+                                    let (registration, traffic) =
+                                        (registration.clone(), Arc::clone(&traffic));
+                                    async move {
+                                        traffic.add_join_filter(sent);
+                                        let result = client
+                                            .register_join_filter(
+                                                registration,
+                                                &id,
+                                                registration_timeout,
+                                            )
+                                            .await;
+                                        (node, result)
+                                    }
+                                }))
+                                .await;
+                            filter_bytes.add((sent as usize) * registration_nodes.len());
+                            let mut nodes = Vec::new();
+                            for (node, result) in registered {
+                                match result {
+                                    Ok(()) => nodes.push(catalog.clients[node].clone()),
+                                    Err(error) => {
+                                        log::warn!("{}", error.strip_backtrace());
+                                    }
+                                }
+                            }
+                            descriptions.push(format!(
+                                "registered on {} of {} nodes, {sent} bytes each",
+                                nodes.len(),
+                                registration_nodes.len()
+                            ));
+                            note(descriptions);
+                            Ok::<_, DataFusionError>(Arc::new(ResolvedBody {
+                                body: base_body,
+                                join_filter: Some(RegisteredJoinFilter {
+                                    id,
+                                    filter,
+                                    nodes,
+                                    traffic,
+                                    timeout: registration_timeout,
+                                }),
+                            }))
+                        };
+                        resolve.await.map_err(|error| error.strip_backtrace())
+                    })
+                    .await;
+                resolved
+                    .clone()
+                    .map_err(|error| DataFusionError::Execution(format!("join filter: {error}")))
+            }
         };
 
         let requests = SliceRequests {
@@ -969,13 +1102,16 @@ impl SieveScanExec {
                 );
                 stream::iter(units.clone())
                     .map(move |unit| {
-                        let envelope = FragmentEnvelope::new(
+                        let mut envelope = FragmentEnvelope::new(
                             table_name.clone(),
                             unit.slice.summary.slice,
-                            body.as_ref().clone(),
+                            body.body.as_ref().clone(),
                         )
                         .with_row_groups(unit.row_groups)
                         .with_ipc_codec(ipc_codec);
+                        if let Some(filter) = &body.join_filter {
+                            envelope = envelope.with_join_filter(&filter.id);
+                        }
                         let encoded = prost::Message::encode_to_vec(&envelope);
                         let (completion, body) = (completion.clone(), Arc::clone(&body));
                         let (slices_raw, bytes_raw, raw_completion) = raw_counters.clone();
@@ -986,7 +1122,11 @@ impl SieveScanExec {
                                     slices_raw.add(1);
                                     bytes_raw.add(pages.bytes() as usize);
                                     let _timer = raw_completion.timer();
-                                    match completion.run(pages, &body) {
+                                    let filter = body
+                                        .join_filter
+                                        .as_ref()
+                                        .map(|filter| Arc::clone(&filter.filter));
+                                    match completion.run(pages, &body.body, filter) {
                                         Ok(batches) => batches.map_ok(SlicePart::Batch).boxed(),
                                         Err(error) => stream::once(async { Err(error) }).boxed(),
                                     }

@@ -1,5 +1,10 @@
-//! Bytes that crossed the storage-to-compute boundary, counted where they
-//! arrive: Flight messages for NDP on, range responses for NDP off.
+//! Bytes that crossed the boundary between compute and storage nodes, both
+//! ways. Storage to compute, counted as they arrive, message by message (so
+//! a failed or cancelled stream counts what it delivered): Flight messages
+//! for NDP on, range responses for NDP off. Compute to storage, counted as
+//! they leave: slice requests' envelopes, join filter registrations and
+//! releases for NDP on; byte-range requests (request line and headers) for
+//! NDP off.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -10,6 +15,8 @@ pub struct Traffic {
     range_bytes: AtomicU64,
     range_requests: AtomicU64,
     slices_requested: AtomicU64,
+    bytes_sent: AtomicU64,
+    join_filter_bytes: AtomicU64,
 }
 
 /// A copy of the counters at one moment; subtract two to get one query's share.
@@ -23,12 +30,21 @@ pub struct TrafficSnapshot {
     pub range_requests: u64,
     /// Slice requests (DoGet calls) made.
     pub slices_requested: u64,
+    /// Bytes sent from compute to storage (requests, join filters).
+    pub bytes_sent: u64,
+    /// Of `bytes_sent`, the join filter registrations.
+    pub join_filter_bytes: u64,
 }
 
 impl TrafficSnapshot {
     /// All bytes shipped from storage to compute.
     pub fn bytes_shipped(&self) -> u64 {
         self.flight_bytes + self.range_bytes
+    }
+
+    /// Bytes both ways: shipped to compute and sent to storage.
+    pub fn bytes_both_ways(&self) -> u64 {
+        self.bytes_shipped() + self.bytes_sent
     }
 
     /// The traffic between `earlier` and `self`.
@@ -38,6 +54,8 @@ impl TrafficSnapshot {
             range_bytes: self.range_bytes - earlier.range_bytes,
             range_requests: self.range_requests - earlier.range_requests,
             slices_requested: self.slices_requested - earlier.slices_requested,
+            bytes_sent: self.bytes_sent - earlier.bytes_sent,
+            join_filter_bytes: self.join_filter_bytes - earlier.join_filter_bytes,
         }
     }
 }
@@ -52,8 +70,18 @@ impl Traffic {
         self.range_requests.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub(crate) fn add_slice_request(&self) {
+    pub(crate) fn add_slice_request(&self, envelope_bytes: u64) {
         self.slices_requested.fetch_add(1, Ordering::Relaxed);
+        self.bytes_sent.fetch_add(envelope_bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn add_sent(&self, bytes: u64) {
+        self.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn add_join_filter(&self, bytes: u64) {
+        self.join_filter_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// The counters now.
@@ -63,6 +91,8 @@ impl Traffic {
             range_bytes: self.range_bytes.load(Ordering::Relaxed),
             range_requests: self.range_requests.load(Ordering::Relaxed),
             slices_requested: self.slices_requested.load(Ordering::Relaxed),
+            bytes_sent: self.bytes_sent.load(Ordering::Relaxed),
+            join_filter_bytes: self.join_filter_bytes.load(Ordering::Relaxed),
         }
     }
 }

@@ -30,8 +30,10 @@ use datafusion::physical_expr::PhysicalExpr;
 use crate::bloom::with_integer_keys;
 use crate::unary::evaluate_unary;
 
-/// Upper bound on the bytes of one key bitmap in a fragment (16 Mi values).
-pub const KEY_BITMAP_BYTES_MAX: usize = 2 * 1024 * 1024;
+/// Upper bound on the bytes of one key bitmap (256 Mi values); a bitmap
+/// travels in a join filter registration, bounded by
+/// [`crate::JOIN_FILTER_BYTES_MAX`].
+pub const KEY_BITMAP_BYTES_MAX: usize = 32 * 1024 * 1024;
 
 /// `input` is one of the keys the bitmap was built from.
 #[derive(Clone)]

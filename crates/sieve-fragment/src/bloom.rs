@@ -35,9 +35,10 @@ use datafusion::physical_expr::PhysicalExpr;
 
 use crate::unary::evaluate_unary;
 
-/// Upper bound on the bytes of one Bloom filter in a fragment; the fragment
-/// as a whole is also bounded by [`crate::FRAGMENT_BYTES_MAX`].
-pub const BLOOM_FILTER_BYTES_MAX: usize = 2 * 1024 * 1024;
+/// Upper bound on the bytes of one Bloom filter (16 Mi keys at a 1%
+/// false-positive rate take about 20 MB); a Bloom filter travels in a join
+/// filter registration, bounded by [`crate::JOIN_FILTER_BYTES_MAX`].
+pub const BLOOM_FILTER_BYTES_MAX: usize = 32 * 1024 * 1024;
 
 /// `$body` with `$keys` bound to the values buffer of an integer or date
 /// array (whatever its width), `$other` for any other type: the one place

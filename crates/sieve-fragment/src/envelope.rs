@@ -22,7 +22,9 @@ use crate::{check_allowed, check_plan_allowed, SieveCodec};
 /// Version 3: a slice stream's non-data messages are [`SliceMessage`]s
 /// (metrics, or a slice's raw pages from a busy node). Version 4: join
 /// filters' membership tests travel as Bloom filters or key bitmaps.
-pub const FRAGMENT_VERSION: u32 = 4;
+/// Version 5: join filters are registered on the node once per query
+/// ([`crate::JoinFilterRegistration`]) and envelopes name them.
+pub const FRAGMENT_VERSION: u32 = 5;
 
 /// Upper bound on an encoded fragment. A TPC-H predicate encodes to a few
 /// kilobytes; an IN list of ten thousand keys to well under a megabyte. Larger
@@ -52,6 +54,11 @@ pub struct FragmentEnvelope {
     /// [`IpcCodec::wire`]: 0 leaves the choice to the storage node.
     #[prost(uint32, tag = "6")]
     pub ipc_codec: u32,
+    /// Id of a join filter registered on the node
+    /// ([`crate::JoinFilterRegistration`]) to apply with the body's
+    /// predicate; empty for none.
+    #[prost(bytes = "vec", tag = "7")]
+    pub join_filter: Vec<u8>,
 }
 
 /// Codec of the Arrow IPC buffers a storage node ships. Compression trades
@@ -185,6 +192,11 @@ pub struct SliceMetrics {
     /// Bytes of raw pages shipped (footer and column chunks).
     #[prost(uint64, tag = "14")]
     pub raw_bytes: u64,
+    /// The envelope named a join filter the node does not hold (it
+    /// restarted, or dropped it to stay within its bound): the slice ran
+    /// without it.
+    #[prost(bool, tag = "15")]
+    pub join_filter_missing: bool,
 }
 
 /// A message of a slice stream that is not Arrow IPC data: it travels in a
@@ -341,7 +353,14 @@ impl FragmentEnvelope {
             body,
             row_groups: vec![],
             ipc_codec: IpcCodec::Auto.wire(),
+            join_filter: vec![],
         }
+    }
+
+    /// This envelope applying the registered join filter `id`.
+    pub fn with_join_filter(mut self, id: &[u8]) -> Self {
+        self.join_filter = id.to_vec();
+        self
     }
 
     /// This envelope asking for `codec` on the shipped batches.
@@ -374,6 +393,9 @@ impl FragmentEnvelope {
             );
         }
         IpcCodec::from_wire(envelope.ipc_codec)?;
+        if !envelope.join_filter.is_empty() {
+            crate::join_filter_id(&envelope.join_filter)?;
+        }
         Ok(envelope)
     }
 }

@@ -38,6 +38,7 @@ mod bloom;
 mod codec;
 mod envelope;
 mod errors;
+mod join_filter;
 mod like;
 mod limits;
 mod pruning;
@@ -59,6 +60,10 @@ pub use envelope::{
 pub use errors::{
     classify_error, DataError, ErrorKind, CORRUPT_FILE_METADATA, CORRUPT_SLICE_KIND,
     ERROR_KIND_METADATA,
+};
+pub use join_filter::{
+    join_filter_id, DecodedJoinFilter, JoinFilterRegistration, JOIN_FILTER_BYTES_MAX,
+    JOIN_FILTER_ID_BYTES, REGISTER_JOIN_FILTER_ACTION, RELEASE_JOIN_FILTER_ACTION,
 };
 pub use like::{fast_like, OrderedSubstringsExpr};
 pub use limits::{

@@ -19,9 +19,11 @@ use std::time::Duration;
 
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
-use datafusion::common::{internal_datafusion_err, plan_err, Result};
+use datafusion::common::{internal_datafusion_err, plan_datafusion_err, plan_err, Result};
 use datafusion::execution::object_store::ObjectStoreUrl;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::logical_expr::Operator;
+use datafusion::physical_expr::expressions::BinaryExpr;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::SessionContext;
 use futures::Stream;
@@ -30,11 +32,12 @@ use object_store::ObjectStore;
 use parquet::file::metadata::ParquetMetaData;
 use parquet::file::statistics::Statistics;
 use sieve_fragment::{
-    narrow, needed_columns, slice_plan, wire_schema, DecodedBody, FragmentEnvelope, IpcCodec,
-    SliceMetrics, SlicePlan, SliceSource,
+    join_filter_id, narrow, needed_columns, slice_plan, wire_schema, DecodedBody, FragmentEnvelope,
+    IpcCodec, JoinFilterRegistration, SliceMetrics, SlicePlan, SliceSource, JOIN_FILTER_ID_BYTES,
 };
 
 use crate::cpu::thread_cpu_nanos;
+use crate::join_filters::JoinFilterRegistry;
 use crate::reader::SliceReaderFactory;
 use crate::{MatchHints, NodeCatalog};
 
@@ -115,6 +118,7 @@ pub struct SliceExecutor {
     cache: Mutex<FragmentCache>,
     fragments_decoded: AtomicU64,
     counters: NodeCounters,
+    join_filters: JoinFilterRegistry,
 }
 
 /// A storage node's running totals, for the `stats` Flight action: what a
@@ -187,7 +191,28 @@ impl SliceExecutor {
             options,
             fragments_decoded: AtomicU64::new(0),
             counters: NodeCounters::default(),
+            join_filters: JoinFilterRegistry::default(),
         }
+    }
+
+    /// The join filters registered on this node.
+    pub fn join_filters(&self) -> &JoinFilterRegistry {
+        &self.join_filters
+    }
+
+    /// Decode, check and keep a join filter registration (an encoded
+    /// `sieve_fragment::JoinFilterRegistration`); returns its id.
+    pub fn register_join_filter(&self, bytes: &[u8]) -> Result<[u8; JOIN_FILTER_ID_BYTES]> {
+        let decoded = JoinFilterRegistration::decode_checked(
+            bytes,
+            |table| Ok(Arc::clone(&self.catalog.table(table)?.schema)),
+            &self.task_context,
+        )?;
+        let id = decoded.id;
+        self.join_filters
+            .register(decoded)
+            .map_err(|reason| plan_datafusion_err!("{reason}"))?;
+        Ok(id)
     }
 
     /// The node's running totals.
@@ -225,7 +250,30 @@ impl SliceExecutor {
         let (table, slice) = self.catalog.slice(&envelope.table, envelope.slice)?;
         let schema = Arc::clone(&table.schema);
         let slice = Arc::clone(slice);
-        let body = self.decoded_body(&envelope, &schema)?;
+        let mut body = self.decoded_body(&envelope, &schema)?;
+        let mut join_filter_missing = false;
+        if !envelope.join_filter.is_empty() {
+            let id = join_filter_id(&envelope.join_filter)?;
+            match self
+                .join_filters
+                .get(&id, &envelope.table)
+                .map_err(|reason| plan_datafusion_err!("{reason}"))?
+            {
+                Some(filter) => {
+                    let mut with_filter = DecodedBody::clone(&body);
+                    with_filter.predicate = Some(match with_filter.predicate.take() {
+                        Some(predicate) => {
+                            Arc::new(BinaryExpr::new(predicate, Operator::And, filter))
+                        }
+                        None => filter,
+                    });
+                    body = Arc::new(with_filter);
+                }
+                // A join filter only drops rows the join drops: without
+                // it the answer is the same, with more rows shipped.
+                None => join_filter_missing = true,
+            }
+        }
 
         let needed = needed_columns(&body);
 
@@ -298,6 +346,7 @@ impl SliceExecutor {
             cpu_nanos: 0,
             rows_returned: 0,
             admission: Admitted::default(),
+            join_filter_missing,
         })
     }
 
@@ -403,6 +452,7 @@ pub struct SliceStream {
     cpu_nanos: u64,
     rows_returned: u64,
     admission: Admitted,
+    join_filter_missing: bool,
 }
 
 /// How a request got its pushdown worker.
@@ -457,6 +507,7 @@ impl SliceStream {
             queue_wait_nanos: self.admission.waited.as_nanos() as u64,
             node_slices_running: self.admission.running,
             raw_bytes: 0,
+            join_filter_missing: self.join_filter_missing,
         }
     }
 }

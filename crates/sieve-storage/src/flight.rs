@@ -36,8 +36,9 @@ use futures::stream;
 use futures::{FutureExt, Stream, StreamExt};
 use prost::Message;
 use sieve_fragment::{
-    classify_error, ErrorKind, FragmentEnvelope, IpcCodec, SliceMessage, SliceMessageKind,
-    SliceMetrics, CORRUPT_FILE_METADATA, CORRUPT_SLICE_KIND, ERROR_KIND_METADATA,
+    classify_error, join_filter_id, ErrorKind, FragmentEnvelope, IpcCodec, SliceMessage,
+    SliceMessageKind, SliceMetrics, CORRUPT_FILE_METADATA, CORRUPT_SLICE_KIND, ERROR_KIND_METADATA,
+    REGISTER_JOIN_FILTER_ACTION, RELEASE_JOIN_FILTER_ACTION,
 };
 use tonic::{Request, Response, Status, Streaming};
 
@@ -393,14 +394,41 @@ impl FlightService for StorageFlightService {
                 stats["corrupt_slices"] = corrupt.into();
                 stats["unchecked_slices"] = unchecked.into();
                 stats["unreadable_slices"] = self.executor.catalog().unreadable().to_vec().into();
+                if let (Some(stats), serde_json::Value::Object(filters)) = (
+                    stats.as_object_mut(),
+                    self.executor.join_filters().to_json(),
+                ) {
+                    stats.extend(filters);
+                }
                 let body = stats.to_string();
                 let result = arrow_flight::Result {
                     body: body.into_bytes().into(),
                 };
                 Ok(Response::new(Box::pin(stream::once(async { Ok(result) }))))
             }
+            REGISTER_JOIN_FILTER_ACTION => {
+                let id = guarded("decoding a join filter", || {
+                    self.executor
+                        .register_join_filter(&action.body)
+                        .map_err(|error| Status::invalid_argument(clip(error.strip_backtrace())))
+                })?;
+                let result = arrow_flight::Result {
+                    body: id.to_vec().into(),
+                };
+                Ok(Response::new(Box::pin(stream::once(async { Ok(result) }))))
+            }
+            RELEASE_JOIN_FILTER_ACTION => {
+                let id = join_filter_id(&action.body)
+                    .map_err(|error| Status::invalid_argument(clip(error.strip_backtrace())))?;
+                let held = self.executor.join_filters().release(&id);
+                let result = arrow_flight::Result {
+                    body: vec![u8::from(held)].into(),
+                };
+                Ok(Response::new(Box::pin(stream::once(async { Ok(result) }))))
+            }
             other => Err(Status::unimplemented(clip(format!(
-                "action '{other}' is not supported (known: {STATS_ACTION})"
+                "action '{other}' is not supported (known: {STATS_ACTION}, \
+                 {REGISTER_JOIN_FILTER_ACTION}, {RELEASE_JOIN_FILTER_ACTION})"
             )))),
         }
     }
@@ -413,7 +441,17 @@ impl FlightService for StorageFlightService {
             r#type: STATS_ACTION.to_string(),
             description: "the node's running totals as JSON: slices served, fragment bytes read, rows scanned and returned, byte-range bytes served".to_string(),
         };
-        Ok(Response::new(Box::pin(stream::once(async { Ok(stats) }))))
+        let register = ActionType {
+            r#type: REGISTER_JOIN_FILTER_ACTION.to_string(),
+            description: "keep a join filter (an encoded JoinFilterRegistration) for the slice requests that name its id; answers the id".to_string(),
+        };
+        let release = ActionType {
+            r#type: RELEASE_JOIN_FILTER_ACTION.to_string(),
+            description: "release one registration of a join filter (body: its id)".to_string(),
+        };
+        Ok(Response::new(Box::pin(stream::iter(
+            [stats, register, release].map(Ok),
+        ))))
     }
 
     async fn do_exchange(

@@ -27,6 +27,7 @@ mod cpu;
 mod execute;
 mod faults;
 mod flight;
+mod join_filters;
 mod limits;
 mod node;
 mod pool;
@@ -42,6 +43,9 @@ pub use execute::{
 };
 pub use faults::{Faults, FaultyStream};
 pub use flight::{StorageFlightService, STATS_ACTION};
+pub use join_filters::{
+    JoinFilterRegistry, JOIN_FILTER_IDLE_TIMEOUT, JOIN_FILTER_REGISTRY_BYTES_MAX,
+};
 pub use limits::{
     ConnectionLimits, GuardedStream, CONNECTIONS_MAX, FLIGHT_CONCURRENCY_PER_CONNECTION_MAX,
     FLIGHT_REQUEST_TIMEOUT_MS, FLIGHT_STREAMS_PER_CONNECTION_MAX, HANDSHAKE_BYTES,

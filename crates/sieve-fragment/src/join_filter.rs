@@ -1,0 +1,245 @@
+//! Join filters registered on a storage node once per query.
+//!
+//! A join's filter (key range, key bitmap or Bloom filter of its build keys)
+//! is the same for every slice the probe scan asks for; at SF 10 a Bloom
+//! filter of a million keys is megabytes. The compute node therefore sends
+//! it to each storage node once, in a [`JoinFilterRegistration`] (the Flight
+//! action [`REGISTER_JOIN_FILTER_ACTION`]), and each slice's
+//! [`crate::FragmentEnvelope`] names it by [`JoinFilterRegistration::id`]:
+//!
+//! ```text
+//!   compute ── register-join-filter (table, filter) ──> node: decode, check, keep
+//!   compute ── DoGet(envelope: body + join filter id) ─> node: predicate AND filter
+//!   compute ── release-join-filter (id) ──────────────> node: drop it (or idle timeout)
+//! ```
+//!
+//! The id is a BLAKE3 digest of the registration's content, so two
+//! registrations share an id only if they say the same thing, whoever sends
+//! them; the node counts registrations per id and drops the filter when every
+//! one is released or it has been idle past its timeout. A join filter only
+//! removes rows the join would drop, so a node that no longer holds one (it
+//! restarted, or evicted it to stay within its bound) runs the slice without
+//! it and says so in the slice's metrics: the answer is the same.
+
+use std::sync::Arc;
+
+use arrow::datatypes::Schema;
+use datafusion::common::{plan_datafusion_err, plan_err, Result};
+use datafusion::execution::TaskContext;
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion_proto::physical_plan::from_proto::parse_physical_expr;
+use datafusion_proto::physical_plan::to_proto::serialize_physical_expr;
+use datafusion_proto::protobuf::PhysicalExprNode;
+use prost::Message;
+
+use crate::{check_allowed, schema_fingerprint, SieveCodec, FRAGMENT_VERSION};
+
+/// Flight action registering a join filter; its body is an encoded
+/// [`JoinFilterRegistration`], its answer the id.
+pub const REGISTER_JOIN_FILTER_ACTION: &str = "register-join-filter";
+
+/// Flight action releasing one registration of a join filter; its body is
+/// the id.
+pub const RELEASE_JOIN_FILTER_ACTION: &str = "release-join-filter";
+
+/// Upper bound on an encoded registration: a Bloom filter of 16 million keys
+/// at a 1% false-positive rate is about 20 MB.
+pub const JOIN_FILTER_BYTES_MAX: usize = 48 * 1024 * 1024;
+
+/// Bytes of a join filter id.
+pub const JOIN_FILTER_ID_BYTES: usize = 16;
+
+/// A join filter for one table, as registered on a storage node.
+#[derive(Clone, PartialEq, Message)]
+pub struct JoinFilterRegistration {
+    /// Must equal [`FRAGMENT_VERSION`].
+    #[prost(uint32, tag = "1")]
+    pub version: u32,
+    /// Table whose rows the filter is over.
+    #[prost(string, tag = "2")]
+    pub table: String,
+    /// [`schema_fingerprint`] of that table's schema.
+    #[prost(uint64, tag = "3")]
+    pub schema_fingerprint: u64,
+    /// The filter, over the table schema.
+    #[prost(message, optional, tag = "4")]
+    pub filter: Option<PhysicalExprNode>,
+}
+
+impl JoinFilterRegistration {
+    /// Check `filter` against `schema` and the allow-list and encode a
+    /// registration of it for `table`; returns the bytes and their id.
+    pub fn encode(
+        table: &str,
+        schema: &Schema,
+        filter: &Arc<dyn PhysicalExpr>,
+    ) -> Result<(Vec<u8>, [u8; JOIN_FILTER_ID_BYTES])> {
+        check_allowed(filter, schema)?;
+        let registration = Self {
+            version: FRAGMENT_VERSION,
+            table: table.to_string(),
+            schema_fingerprint: schema_fingerprint(schema),
+            filter: Some(serialize_physical_expr(filter, &SieveCodec::new())?),
+        };
+        let bytes = registration.encode_to_vec();
+        if bytes.len() > JOIN_FILTER_BYTES_MAX {
+            return plan_err!(
+                "join filter is {} bytes, above the limit of {JOIN_FILTER_BYTES_MAX}",
+                bytes.len()
+            );
+        }
+        let id = Self::id_of(&bytes);
+        Ok((bytes, id))
+    }
+
+    /// The id of an encoded registration: the first bytes of its BLAKE3 digest.
+    pub fn id_of(bytes: &[u8]) -> [u8; JOIN_FILTER_ID_BYTES] {
+        let digest = blake3::hash(bytes);
+        let mut id = [0; JOIN_FILTER_ID_BYTES];
+        id.copy_from_slice(&digest.as_bytes()[..JOIN_FILTER_ID_BYTES]);
+        id
+    }
+
+    /// Decode a registration received over the network: size, version,
+    /// table, schema and allow-list are checked. `schema_of` gives the
+    /// schema of a table the node holds.
+    pub fn decode_checked(
+        bytes: &[u8],
+        schema_of: impl FnOnce(&str) -> Result<Arc<Schema>>,
+        task_context: &TaskContext,
+    ) -> Result<DecodedJoinFilter> {
+        if bytes.len() > JOIN_FILTER_BYTES_MAX {
+            return plan_err!(
+                "join filter is {} bytes, above the limit of {JOIN_FILTER_BYTES_MAX}",
+                bytes.len()
+            );
+        }
+        let registration = Self::decode(bytes)
+            .map_err(|error| plan_datafusion_err!("malformed join filter: {error}"))?;
+        if registration.version != FRAGMENT_VERSION {
+            return plan_err!(
+                "join filter version {} is not supported (this node speaks version {FRAGMENT_VERSION})",
+                registration.version
+            );
+        }
+        let schema = schema_of(&registration.table)?;
+        if registration.schema_fingerprint != schema_fingerprint(&schema) {
+            return plan_err!("join filter was planned against another schema of this table");
+        }
+        let Some(node) = &registration.filter else {
+            return plan_err!("join filter without a filter");
+        };
+        let filter = parse_physical_expr(node, task_context, &schema, &SieveCodec::new())
+            .map_err(|error| plan_datafusion_err!("join filter cannot be decoded: {error}"))?;
+        if let Err(error) = check_allowed(&filter, &schema) {
+            crate::dismantle(filter);
+            return Err(error);
+        }
+        Ok(DecodedJoinFilter {
+            id: Self::id_of(bytes),
+            table: registration.table,
+            filter,
+            bytes: bytes.len(),
+        })
+    }
+}
+
+/// A registration decoded and checked on the storage node.
+#[derive(Debug, Clone)]
+pub struct DecodedJoinFilter {
+    /// Its id ([`JoinFilterRegistration::id_of`] its bytes).
+    pub id: [u8; JOIN_FILTER_ID_BYTES],
+    /// The table it filters.
+    pub table: String,
+    /// The filter, over the table schema.
+    pub filter: Arc<dyn PhysicalExpr>,
+    /// Encoded size, what the node charges it against its bound.
+    pub bytes: usize,
+}
+
+/// A join filter id from bytes received over the network.
+pub fn join_filter_id(bytes: &[u8]) -> Result<[u8; JOIN_FILTER_ID_BYTES]> {
+    bytes.try_into().map_err(|_| {
+        plan_datafusion_err!(
+            "join filter id must be {JOIN_FILTER_ID_BYTES} bytes, not {}",
+            bytes.len()
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::datatypes::{DataType, Field};
+    use datafusion::logical_expr::Operator;
+    use datafusion::physical_expr::expressions::{lit, BinaryExpr, Column};
+    use datafusion::prelude::SessionContext;
+
+    fn schema() -> Arc<Schema> {
+        Arc::new(Schema::new(vec![
+            Field::new("a", DataType::Int64, false),
+            Field::new("k", DataType::Int64, true),
+        ]))
+    }
+
+    #[test]
+    fn a_registration_round_trips_and_its_id_follows_its_content() {
+        let schema = schema();
+        let filter: Arc<dyn PhysicalExpr> = Arc::new(BinaryExpr::new(
+            Arc::new(Column::new("k", 1)),
+            Operator::GtEq,
+            lit(5i64),
+        ));
+        let (bytes, id) = JoinFilterRegistration::encode("t", &schema, &filter).unwrap();
+        let context = SessionContext::new().task_ctx();
+        let decoded =
+            JoinFilterRegistration::decode_checked(&bytes, |_| Ok(Arc::clone(&schema)), &context)
+                .unwrap();
+        assert_eq!(decoded.id, id);
+        assert_eq!(decoded.table, "t");
+        assert_eq!(format!("{}", decoded.filter), format!("{filter}"));
+        let other: Arc<dyn PhysicalExpr> = Arc::new(BinaryExpr::new(
+            Arc::new(Column::new("k", 1)),
+            Operator::GtEq,
+            lit(6i64),
+        ));
+        let (_, other_id) = JoinFilterRegistration::encode("t", &schema, &other).unwrap();
+        assert_ne!(id, other_id);
+        let (_, other_table) = JoinFilterRegistration::encode("u", &schema, &filter).unwrap();
+        assert_ne!(id, other_table);
+    }
+
+    #[test]
+    fn bad_registrations_are_refused() {
+        let schema = schema();
+        let context = SessionContext::new().task_ctx();
+        let schema_of = |_: &str| Ok(Arc::clone(&schema));
+        assert!(
+            JoinFilterRegistration::decode_checked(&[0xff, 0xff], schema_of, &context).is_err()
+        );
+        let filter: Arc<dyn PhysicalExpr> = Arc::new(Column::new("k", 1));
+        let mut registration = JoinFilterRegistration {
+            version: FRAGMENT_VERSION,
+            table: "t".into(),
+            schema_fingerprint: schema_fingerprint(&schema) ^ 1,
+            filter: Some(serialize_physical_expr(&filter, &SieveCodec::new()).unwrap()),
+        };
+        let error = JoinFilterRegistration::decode_checked(
+            &registration.encode_to_vec(),
+            |_| Ok(Arc::clone(&schema)),
+            &context,
+        )
+        .unwrap_err();
+        assert!(error.to_string().contains("another schema"), "{error}");
+        registration.schema_fingerprint ^= 1;
+        registration.version = FRAGMENT_VERSION + 1;
+        let error = JoinFilterRegistration::decode_checked(
+            &registration.encode_to_vec(),
+            |_| Ok(Arc::clone(&schema)),
+            &context,
+        )
+        .unwrap_err();
+        assert!(error.to_string().contains("version"), "{error}");
+        assert!(join_filter_id(&[1, 2, 3]).is_err());
+    }
+}
