@@ -890,6 +890,7 @@ impl SieveScanExec {
         let builder = || MetricBuilder::new(&self.metrics);
         let output_rows = builder().output_rows(partition);
         let bytes_shipped = builder().counter("bytes_shipped", partition);
+        let bytes_sent = builder().counter("bytes_sent", partition);
         let bytes_read = builder().counter("storage_bytes_read", partition);
         let slices_done = builder().counter("slices", partition);
         let pages_considered = builder().counter("pages_considered", partition);
@@ -1095,6 +1096,7 @@ impl SieveScanExec {
                 let requests = requests.clone();
                 let table_name = table_name.clone();
                 let completion = completion.clone();
+                let bytes_sent = bytes_sent.clone();
                 let raw_counters = (
                     slices_raw.clone(),
                     bytes_raw.clone(),
@@ -1113,6 +1115,7 @@ impl SieveScanExec {
                             envelope = envelope.with_join_filter(&filter.id);
                         }
                         let encoded = prost::Message::encode_to_vec(&envelope);
+                        bytes_sent.add(encoded.len());
                         let (completion, body) = (completion.clone(), Arc::clone(&body));
                         let (slices_raw, bytes_raw, raw_completion) = raw_counters.clone();
                         // Raw pages become batches here, through the same fragment.

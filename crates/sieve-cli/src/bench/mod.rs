@@ -406,10 +406,18 @@ impl Measure<'_> {
 
     async fn measure(&mut self, mode: Mode, sql: &str, warmup: bool) -> Result<(Sample, Answer)> {
         let read_before = self.storage_bytes_read().await?;
+        let compute_pid = match (&mode, &self.duck) {
+            (Mode::DuckDb, Some(duck)) => duck.pid.to_string(),
+            _ => "self".to_string(),
+        };
+        nodes::reset_peak_rss(&compute_pid);
+        for node in self.processes {
+            nodes::reset_peak_rss(&node.pid.to_string());
+        }
         let link_before = self.link_counters()?;
         let storage_before = self.storage_cpu()?;
         let traffic_before = self.session.traffic.snapshot();
-        let (wall_ms, compute_cpu_seconds, answer, reported_bytes) = match mode {
+        let (wall_ms, compute_cpu_seconds, answer, reported) = match mode {
             Mode::Ndp | Mode::Off => {
                 self.session.set_ndp(mode == Mode::Ndp)?;
                 let cpu_before = nodes::own_cpu_seconds();
@@ -417,17 +425,12 @@ impl Measure<'_> {
                 let batches = run(&self.session.context, sql).await?;
                 let wall = clock.elapsed();
                 let cpu = nodes::own_cpu_seconds() - cpu_before;
-                let shipped = self
-                    .session
-                    .traffic
-                    .snapshot()
-                    .since(&traffic_before)
-                    .bytes_shipped();
+                let traffic = self.session.traffic.snapshot().since(&traffic_before);
                 let answer = Answer {
                     cells: results::from_batches(&batches)?,
                     text: Some(rows_as_text(&batches, !is_ordered(sql))?),
                 };
-                (wall.as_secs_f64() * 1e3, cpu, answer, Some(shipped))
+                (wall.as_secs_f64() * 1e3, cpu, answer, Some(traffic))
             }
             Mode::DuckDb => {
                 let Some(duck) = self.duck.as_mut() else {
@@ -444,6 +447,12 @@ impl Measure<'_> {
             }
         };
         let storage_cpu_seconds = self.storage_cpu()? - storage_before;
+        let compute_peak_rss_bytes = nodes::peak_rss_bytes(&compute_pid);
+        let storage_peak_rss_bytes = self
+            .processes
+            .iter()
+            .filter_map(|node| nodes::peak_rss_bytes(&node.pid.to_string()))
+            .max();
         let link_after = self.link_counters()?;
         let read_after = self.storage_bytes_read().await?;
         let (to_compute, to_storage) = match (link_before, link_after) {
@@ -461,8 +470,12 @@ impl Measure<'_> {
                 storage_cpu_seconds,
                 link_bytes_to_compute: to_compute,
                 link_bytes_to_storage: to_storage,
-                reported_bytes,
+                reported_bytes: reported.map(|traffic| traffic.bytes_shipped()),
+                reported_bytes_to_storage: reported.map(|traffic| traffic.bytes_sent),
+                join_filter_bytes: reported.map(|traffic| traffic.join_filter_bytes),
                 storage_bytes_read: read_after - read_before,
+                compute_peak_rss_bytes,
+                storage_peak_rss_bytes,
             },
             answer,
         ))

@@ -184,3 +184,25 @@ pub fn own_cpu_seconds() -> f64 {
     let seconds = |value: libc::timeval| value.tv_sec as f64 + value.tv_usec as f64 / 1_000_000.0;
     seconds(usage.ru_utime) + seconds(usage.ru_stime)
 }
+
+/// Start counting peak resident memory of process `pid` (`self` for this
+/// one) afresh: Linux resets `VmHWM` when `5` is written to `clear_refs`.
+/// Without permission the peak keeps counting from the process's start.
+pub fn reset_peak_rss(pid: &str) {
+    let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "5");
+}
+
+/// Peak resident memory of process `pid` (`self` for this one) since its
+/// start or the last [`reset_peak_rss`], in bytes (`VmHWM`).
+pub fn peak_rss_bytes(pid: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|line| line.starts_with("VmHWM:"))?;
+    let kilobytes: u64 = line
+        .trim_start_matches("VmHWM:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kilobytes * 1024)
+}

@@ -56,16 +56,28 @@ pub struct Sample {
     pub link_bytes_to_storage: Option<u64>,
     /// Sieve's own count of bytes shipped (Flight messages or byte ranges).
     pub reported_bytes: Option<u64>,
+    /// Sieve's own count of bytes sent to the storage nodes (slice requests,
+    /// join filters; byte-range requests).
+    pub reported_bytes_to_storage: Option<u64>,
+    /// Of those, the join filters registered on the storage nodes.
+    pub join_filter_bytes: Option<u64>,
     /// Bytes the storage nodes read from slice files (their `stats`).
     pub storage_bytes_read: u64,
+    /// Peak resident memory of the compute process during the query.
+    pub compute_peak_rss_bytes: Option<u64>,
+    /// Peak resident memory of the largest storage process during the query.
+    pub storage_peak_rss_bytes: Option<u64>,
 }
 
 impl Sample {
-    /// Bytes that crossed the link both ways, or Sieve's own count on loopback.
+    /// Bytes that crossed the link both ways, or Sieve's own count of both
+    /// ways on loopback.
     pub fn bytes_moved(&self) -> Option<u64> {
         match (self.link_bytes_to_compute, self.link_bytes_to_storage) {
             (Some(to_compute), Some(to_storage)) => Some(to_compute + to_storage),
-            _ => self.reported_bytes,
+            _ => self
+                .reported_bytes
+                .map(|shipped| shipped + self.reported_bytes_to_storage.unwrap_or(0)),
         }
     }
 }
@@ -88,6 +100,10 @@ pub struct ModeReport {
     pub bytes_moved: Option<f64>,
     /// Median of Sieve's own count of bytes shipped.
     pub reported_bytes: Option<f64>,
+    /// Median of Sieve's own count of bytes sent to the storage nodes.
+    pub reported_bytes_to_storage: Option<f64>,
+    /// Median bytes of join filters registered on the storage nodes.
+    pub join_filter_bytes: Option<f64>,
     /// Median link bytes storage-to-compute.
     pub link_bytes_to_compute: Option<f64>,
     /// Median compute CPU seconds.
@@ -96,6 +112,10 @@ pub struct ModeReport {
     pub storage_cpu_seconds: f64,
     /// Median bytes read by the storage nodes.
     pub storage_bytes_read: f64,
+    /// Highest peak resident memory of the compute process over the runs.
+    pub compute_peak_rss_bytes: Option<u64>,
+    /// Highest peak resident memory of a storage process over the runs.
+    pub storage_peak_rss_bytes: Option<u64>,
     /// Energy of the median figures under the model, joules.
     pub energy_joules: f64,
     /// Every run.
@@ -133,10 +153,20 @@ impl ModeReport {
             wall_ms_max: walls.iter().copied().fold(0.0, f64::max),
             bytes_moved,
             reported_bytes: optional(&|s| s.reported_bytes),
+            reported_bytes_to_storage: optional(&|s| s.reported_bytes_to_storage),
+            join_filter_bytes: optional(&|s| s.join_filter_bytes),
             link_bytes_to_compute: optional(&|s| s.link_bytes_to_compute),
             compute_cpu_seconds,
             storage_cpu_seconds,
             storage_bytes_read,
+            compute_peak_rss_bytes: samples
+                .iter()
+                .filter_map(|s| s.compute_peak_rss_bytes)
+                .max(),
+            storage_peak_rss_bytes: samples
+                .iter()
+                .filter_map(|s| s.storage_peak_rss_bytes)
+                .max(),
             energy_joules: model.joules(
                 compute_cpu_seconds + storage_cpu_seconds,
                 storage_bytes_read,
@@ -205,6 +235,10 @@ pub struct Totals {
     pub bytes_moved: Option<f64>,
     /// Sieve's own count.
     pub reported_bytes: Option<f64>,
+    /// Sieve's own count, compute to storage.
+    pub reported_bytes_to_storage: Option<f64>,
+    /// Join filters registered on the storage nodes.
+    pub join_filter_bytes: Option<f64>,
     /// Link bytes storage-to-compute.
     pub link_bytes_to_compute: Option<f64>,
     /// CPU seconds, compute.
@@ -213,6 +247,10 @@ pub struct Totals {
     pub storage_cpu_seconds: f64,
     /// Joules.
     pub energy_joules: f64,
+    /// Highest peak resident memory of the compute process, any query.
+    pub compute_peak_rss_bytes: Option<u64>,
+    /// Highest peak resident memory of a storage process, any query.
+    pub storage_peak_rss_bytes: Option<u64>,
 }
 
 impl BenchReport {
@@ -228,10 +266,20 @@ impl BenchReport {
                     wall_ms: reports.clone().map(|r| r.wall_ms_median).sum(),
                     bytes_moved: sum_optional(&|r| r.bytes_moved),
                     reported_bytes: sum_optional(&|r| r.reported_bytes),
+                    reported_bytes_to_storage: sum_optional(&|r| r.reported_bytes_to_storage),
+                    join_filter_bytes: sum_optional(&|r| r.join_filter_bytes),
                     link_bytes_to_compute: sum_optional(&|r| r.link_bytes_to_compute),
                     compute_cpu_seconds: reports.clone().map(|r| r.compute_cpu_seconds).sum(),
                     storage_cpu_seconds: reports.clone().map(|r| r.storage_cpu_seconds).sum(),
                     energy_joules: reports.clone().map(|r| r.energy_joules).sum(),
+                    compute_peak_rss_bytes: reports
+                        .clone()
+                        .filter_map(|r| r.compute_peak_rss_bytes)
+                        .max(),
+                    storage_peak_rss_bytes: reports
+                        .clone()
+                        .filter_map(|r| r.storage_peak_rss_bytes)
+                        .max(),
                 }
             })
             .collect()
@@ -329,6 +377,28 @@ impl BenchReport {
                 total.storage_cpu_seconds,
                 total.energy_joules
             );
+            if let Some(compute) = total.compute_peak_rss_bytes {
+                line.push_str(&format!(
+                    "; peak RSS: compute {:.0} MB, largest storage node {}",
+                    compute as f64 / 1e6,
+                    total
+                        .storage_peak_rss_bytes
+                        .map_or("-".to_string(), |bytes| format!(
+                            "{:.0} MB",
+                            bytes as f64 / 1e6
+                        ))
+                ));
+            }
+            if let (Some(shipped), Some(sent)) =
+                (total.reported_bytes, total.reported_bytes_to_storage)
+            {
+                line.push_str(&format!(
+                    "; Sieve's count: {:.2} MB to compute, {:.3} MB to storage (join filters {:.3} MB)",
+                    shipped / 1e6,
+                    sent / 1e6,
+                    total.join_filter_bytes.unwrap_or(0.0) / 1e6
+                ));
+            }
             if let (Some(link), Some(reported)) =
                 (total.link_bytes_to_compute, total.reported_bytes)
             {
