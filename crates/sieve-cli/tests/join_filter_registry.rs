@@ -214,7 +214,10 @@ async fn a_node_applies_a_registered_filter_and_runs_without_a_missing_one() {
     let (registration, id) =
         JoinFilterRegistration::encode("lineitem", &table.schema, &filter).unwrap();
     let answer = client
-        .do_action(Action::new(REGISTER_JOIN_FILTER_ACTION, registration))
+        .do_action(Action::new(
+            REGISTER_JOIN_FILTER_ACTION,
+            JoinFilterRegistration::compress(&registration).unwrap(),
+        ))
         .await
         .unwrap()
         .into_inner()

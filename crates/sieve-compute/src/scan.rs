@@ -999,11 +999,12 @@ impl SieveScanExec {
                                 note(vec![format!("join filters not pushed: {reason}")]);
                                 return Ok(plain(&base_body));
                             }
-                            let (registration, id) = match JoinFilterRegistration::encode(
-                                &table.name,
-                                &table.schema,
-                                &filter,
-                            ) {
+                            let encoded =
+                                JoinFilterRegistration::encode(&table.name, &table.schema, &filter)
+                                    .and_then(|(bytes, id)| {
+                                        Ok((JoinFilterRegistration::compress(&bytes)?, id))
+                                    });
+                            let (registration, id) = match encoded {
                                 Ok(encoded) => encoded,
                                 Err(error) => {
                                     note(vec![format!(
@@ -1046,7 +1047,7 @@ impl SieveScanExec {
                                 }
                             }
                             descriptions.push(format!(
-                                "registered on {} of {} nodes, {sent} bytes each",
+                                "registered on {} of {} nodes, {sent} bytes each, compressed",
                                 nodes.len(),
                                 registration_nodes.len()
                             ));

@@ -35,7 +35,8 @@ use prost::Message;
 use crate::{check_allowed, schema_fingerprint, SieveCodec, FRAGMENT_VERSION};
 
 /// Flight action registering a join filter; its body is an encoded
-/// [`JoinFilterRegistration`], its answer the id.
+/// [`JoinFilterRegistration`], compressed with zstd
+/// ([`JoinFilterRegistration::compress`]), its answer the id.
 pub const REGISTER_JOIN_FILTER_ACTION: &str = "register-join-filter";
 
 /// Flight action releasing one registration of a join filter; its body is
@@ -90,6 +91,25 @@ impl JoinFilterRegistration {
         }
         let id = Self::id_of(&bytes);
         Ok((bytes, id))
+    }
+
+    /// An encoded registration as it travels: a zstd frame (level 1: a
+    /// Bloom filter does not compress, a key bitmap of sparse keys does,
+    /// several times).
+    pub fn compress(bytes: &[u8]) -> Result<Vec<u8>> {
+        zstd::bulk::compress(bytes, 1)
+            .map_err(|error| plan_datafusion_err!("cannot compress a join filter: {error}"))
+    }
+
+    /// The encoded registration in a compressed action body, refusing one
+    /// that would decompress past [`JOIN_FILTER_BYTES_MAX`].
+    pub fn decompress(body: &[u8]) -> Result<Vec<u8>> {
+        zstd::bulk::decompress(body, JOIN_FILTER_BYTES_MAX).map_err(|error| {
+            plan_datafusion_err!(
+                "join filter registration is not a zstd frame of at most \
+                 {JOIN_FILTER_BYTES_MAX} bytes: {error}"
+            )
+        })
     }
 
     /// The id of an encoded registration: the first bytes of its BLAKE3 digest.
@@ -241,5 +261,13 @@ mod tests {
         .unwrap_err();
         assert!(error.to_string().contains("version"), "{error}");
         assert!(join_filter_id(&[1, 2, 3]).is_err());
+        // A compressed body round-trips; a bomb past the bound is refused.
+        let bytes = registration.encode_to_vec();
+        let body = JoinFilterRegistration::compress(&bytes).unwrap();
+        assert_eq!(JoinFilterRegistration::decompress(&body).unwrap(), bytes);
+        let bomb = JoinFilterRegistration::compress(&vec![0; JOIN_FILTER_BYTES_MAX + 1]).unwrap();
+        assert!(bomb.len() < 10_000);
+        assert!(JoinFilterRegistration::decompress(&bomb).is_err());
+        assert!(JoinFilterRegistration::decompress(&[1, 2, 3]).is_err());
     }
 }

@@ -200,11 +200,13 @@ impl SliceExecutor {
         &self.join_filters
     }
 
-    /// Decode, check and keep a join filter registration (an encoded
-    /// `sieve_fragment::JoinFilterRegistration`); returns its id.
-    pub fn register_join_filter(&self, bytes: &[u8]) -> Result<[u8; JOIN_FILTER_ID_BYTES]> {
+    /// Decompress, decode, check and keep a join filter registration (a
+    /// compressed, encoded `sieve_fragment::JoinFilterRegistration`);
+    /// returns its id.
+    pub fn register_join_filter(&self, body: &[u8]) -> Result<[u8; JOIN_FILTER_ID_BYTES]> {
+        let bytes = JoinFilterRegistration::decompress(body)?;
         let decoded = JoinFilterRegistration::decode_checked(
-            bytes,
+            &bytes,
             |table| Ok(Arc::clone(&self.catalog.table(table)?.schema)),
             &self.task_context,
         )?;
