@@ -527,11 +527,7 @@ impl RawCompletion {
             .map_err(DataFusionError::Execution)?;
         // The registered join filter, applied as the storage node would.
         if let Some(filter) = join_filter {
-            let mut with_filter = DecodedBody::clone(&decoded);
-            with_filter.predicate = Some(physical_conjunction(
-                with_filter.predicate.take().into_iter().chain([filter]),
-            ));
-            decoded = Arc::new(with_filter);
+            decoded = Arc::new(decoded.with_join_filter(filter));
         }
         let batch_rows = self.context.session_config().batch_size();
         complete_raw(

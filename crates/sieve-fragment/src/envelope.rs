@@ -412,6 +412,17 @@ pub struct DecodedBody {
 }
 
 impl DecodedBody {
+    /// This body with `filter` (a registered join filter) ANDed into its
+    /// predicate: what a storage node runs, and the compute node for a raw
+    /// slice.
+    pub fn with_join_filter(&self, filter: Arc<dyn PhysicalExpr>) -> Self {
+        let mut body = self.clone();
+        body.predicate = Some(datafusion::physical_expr::conjunction(
+            body.predicate.take().into_iter().chain([filter]),
+        ));
+        body
+    }
+
     /// Decode `body` against the table `schema`, checking the fingerprint,
     /// the projection and the allow-list.
     pub fn decode(body: &[u8], schema: &Schema, task_context: &TaskContext) -> Result<Self> {

@@ -22,8 +22,6 @@ use arrow::record_batch::RecordBatch;
 use datafusion::common::{internal_datafusion_err, plan_datafusion_err, plan_err, Result};
 use datafusion::execution::object_store::ObjectStoreUrl;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::logical_expr::Operator;
-use datafusion::physical_expr::expressions::BinaryExpr;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::SessionContext;
 use futures::Stream;
@@ -261,16 +259,7 @@ impl SliceExecutor {
                 .get(&id, &envelope.table)
                 .map_err(|reason| plan_datafusion_err!("{reason}"))?
             {
-                Some(filter) => {
-                    let mut with_filter = DecodedBody::clone(&body);
-                    with_filter.predicate = Some(match with_filter.predicate.take() {
-                        Some(predicate) => {
-                            Arc::new(BinaryExpr::new(predicate, Operator::And, filter))
-                        }
-                        None => filter,
-                    });
-                    body = Arc::new(with_filter);
-                }
+                Some(filter) => body = Arc::new(body.with_join_filter(filter)),
                 // A join filter only drops rows the join drops: without
                 // it the answer is the same, with more rows shipped.
                 None => join_filter_missing = true,
