@@ -35,6 +35,7 @@ mod early_start;
 mod estimate;
 mod failover;
 mod join_filter;
+pub mod memory;
 mod nan_safe;
 mod optimizer;
 mod range_store;

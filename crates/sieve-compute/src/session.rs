@@ -5,12 +5,14 @@ use std::time::Duration;
 
 use datafusion::common::{DataFusionError, Result};
 use datafusion::execution::object_store::ObjectStoreUrl;
+use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::execution::SessionStateBuilder;
 use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use sieve_fragment::Secret;
 
+use crate::memory::{runtime_with_memory_limit, MEMORY_LIMIT_SETTING};
 use crate::range_store::{ClusterRangeStore, CLUSTER_RANGE_URL};
 use crate::{
     ClusterCatalog, PushAggregateToStorage, SieveConfig, SieveTable, StartScansEarly, Traffic,
@@ -55,11 +57,22 @@ impl SieveSession {
     }
 
     /// Apply `key=value` session settings (the command line's `--set`).
+    /// `datafusion.runtime.memory_limit` (`auto`, `unbounded` or a size
+    /// such as `4G`) replaces the session's memory pool ([`crate::memory`]).
     pub fn apply_settings(&self, settings: &[String]) -> Result<()> {
         for setting in settings {
             let Some((key, value)) = setting.split_once('=') else {
                 return datafusion::common::plan_err!("--set wants key=value, got '{setting}'");
             };
+            if key.trim() == MEMORY_LIMIT_SETTING {
+                let state = self.context.state_ref();
+                let mut state = state.write();
+                let runtime = runtime_with_memory_limit(state.runtime_env(), value)?;
+                *state = SessionStateBuilder::from(state.clone())
+                    .with_runtime_env(runtime)
+                    .build();
+                continue;
+            }
             self.context
                 .state_ref()
                 .write()
@@ -119,8 +132,10 @@ pub async fn connect_session_with_config(
     optimizer.enable_topk_dynamic_filter_pushdown = false;
     optimizer.enable_aggregate_dynamic_filter_pushdown = false;
     optimizer.enable_topk_aggregation = false;
+    let runtime = runtime_with_memory_limit(&RuntimeEnv::default(), "auto")?;
     let state = SessionStateBuilder::new()
         .with_config(config)
+        .with_runtime_env(runtime)
         .with_default_features()
         .with_analyzer_rules(crate::analyzer_rules_with_depth_limit())
         .with_physical_optimizer_rules(physical_rules_without_static_filter_pushdown())

@@ -1,0 +1,120 @@
+//! The compute node's memory bound (`sieve_compute::memory`): a session has
+//! a bounded pool by default; under a small one, sorts and aggregations
+//! spill and keep plain DataFusion's answers (NDP on and off), and a hash
+//! join whose build side passes the bound fails with a clear error and
+//! leaves the session usable.
+
+use std::sync::Arc;
+
+use datafusion::execution::memory_pool::MemoryLimit;
+use datafusion::physical_plan::{collect, ExecutionPlan};
+use sieve_cli::cluster::EmbeddedCluster;
+use sieve_cli::compare::{reference_context, rows_as_text, run};
+use sieve_compute::{connect_session, SieveSession};
+
+mod common;
+
+use common::NODES;
+
+/// Spill count summed over every operator of `plan`.
+fn spills(plan: &Arc<dyn ExecutionPlan>) -> usize {
+    let own = plan
+        .metrics()
+        .and_then(|metrics| metrics.spill_count())
+        .unwrap_or(0);
+    own + plan.children().into_iter().map(spills).sum::<usize>()
+}
+
+async fn run_counting_spills(session: &SieveSession, sql: &str) -> (Vec<String>, usize) {
+    let frame = session.context.sql(sql).await.unwrap();
+    let plan = frame.create_physical_plan().await.unwrap();
+    let batches = collect(Arc::clone(&plan), session.context.task_ctx())
+        .await
+        .unwrap_or_else(|error| panic!("{sql}: {error}"));
+    (rows_as_text(&batches, false).unwrap(), spills(&plan))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_a_small_pool_sorts_and_aggregations_spill_and_keep_their_answers() {
+    let root = common::small_slices(1);
+    let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            session.context.runtime_env().memory_pool.memory_limit(),
+            MemoryLimit::Finite(_)
+        ),
+        "a session's pool is bounded by default"
+    );
+    let reference = reference_context(&root, NODES).await.unwrap();
+    session
+        .apply_settings(&[
+            "datafusion.runtime.memory_limit=24M".into(),
+            // Two partitions share the pool, whatever the machine's cores.
+            "datafusion.execution.target_partitions=2".into(),
+            // DataFusion sets 10 MB aside for a sort's merge by default; in
+            // DataFusion 55 a sort or an aggregation that spills also needs
+            // room to merge what it spilled, so much smaller pools fail.
+            "datafusion.execution.sort_spill_reservation_bytes=4194304".into(),
+        ])
+        .unwrap();
+    assert!(matches!(
+        session.context.runtime_env().memory_pool.memory_limit(),
+        MemoryLimit::Finite(bytes) if bytes == 24 << 20
+    ));
+    // 300,000 rows of 26 bytes each, and as many groups.
+    let queries = [
+        "select l_orderkey, l_linenumber, r_regionkey, l_extendedprice \
+         from lineitem cross join region \
+         order by l_extendedprice, l_orderkey, l_linenumber, r_regionkey",
+        "select l_orderkey, l_linenumber, r_regionkey, count(*) as n, \
+         sum(l_quantity) as q from lineitem cross join region \
+         group by l_orderkey, l_linenumber, r_regionkey \
+         order by l_orderkey, l_linenumber, r_regionkey",
+    ];
+    for sql in queries {
+        let expected = rows_as_text(&run(&reference, sql).await.unwrap(), false).unwrap();
+        for on in [true, false] {
+            session.set_ndp(on).unwrap();
+            let (actual, spilled) = run_counting_spills(&session, sql).await;
+            assert_eq!(actual, expected, "NDP {on}: {sql}");
+            assert!(spilled > 0, "NDP {on}: nothing spilled under 3 MB: {sql}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_side_past_the_pool_is_a_clear_error_and_the_session_goes_on() {
+    let root = common::small_slices(1);
+    let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
+    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
+    let join = "select count(*) from lineitem a join lineitem b \
+                on a.l_comment = b.l_comment and a.l_orderkey <> b.l_orderkey";
+    session
+        .apply_settings(&["datafusion.runtime.memory_limit=512K".into()])
+        .unwrap();
+    for on in [true, false] {
+        session.set_ndp(on).unwrap();
+        let error = run(&session.context, join).await.unwrap_err().to_string();
+        assert!(
+            error.contains("Resources exhausted"),
+            "NDP {on}: not a memory error: {error}"
+        );
+    }
+    let bad = session
+        .apply_settings(&["datafusion.runtime.memory_limit=lots".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(bad.contains("datafusion.runtime.memory_limit"), "{bad}");
+    session
+        .apply_settings(&["datafusion.runtime.memory_limit=auto".into()])
+        .unwrap();
+    let reference = reference_context(&root, NODES).await.unwrap();
+    let expected = rows_as_text(&run(&reference, join).await.unwrap(), false).unwrap();
+    let actual = rows_as_text(&run(&session.context, join).await.unwrap(), false).unwrap();
+    assert_eq!(actual, expected);
+}
