@@ -122,6 +122,10 @@ enum Command {
         /// A session setting for the Sieve modes, e.g. --set sieve.join_filters=false.
         #[arg(long = "set")]
         settings: Vec<String>,
+        /// An argument for every storage node's `sieve storage`, e.g.
+        /// --storage-arg=--late-materialization (repeatable).
+        #[arg(long = "storage-arg", allow_hyphen_values = true)]
+        storage_args: Vec<String>,
     },
     /// Throughput of concurrent TPC-H streams (NDP on) against storage nodes
     /// with different pushdown pools, and recovery from a node killed halfway.
@@ -381,6 +385,7 @@ async fn run(cli: Cli) -> Result<()> {
             data,
             out,
             settings,
+            storage_args,
         } => {
             let options = BenchOptions {
                 benchmark,
@@ -396,6 +401,7 @@ async fn run(cli: Cli) -> Result<()> {
                 data_directory: data,
                 out_directory: out.clone(),
                 settings,
+                storage_args,
                 sieve_binary: std::env::current_exe()?,
             };
             let report = run_bench(&options).await?;

@@ -206,3 +206,48 @@ async fn join_filter_skips_probe_pages_and_ships_far_fewer_rows() {
         "pages read: {with:?} with join filters, {without:?} without"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_above_another_filters_the_scan_its_key_reaches() {
+    let (root, _cluster, session) = start().await;
+    let reference = reference_context(&root, NODES)
+        .await
+        .expect("reference context");
+    // TPC-H Q5: the supplier join (on l_suppkey and c_nationkey) sits above
+    // the orders-lineitem join, so DataFusion pushes its filter nowhere.
+    let (_, sql) = TPCH_QUERIES
+        .iter()
+        .find(|(name, _)| *name == "q5")
+        .expect("q5");
+    let expected = rows_as_text(&run(&reference, sql).await.unwrap(), true).unwrap();
+    let names = ["output_rows", "bytes_shipped"];
+    let plan = physical_plan(&session, sql).await;
+    let batches = collect(Arc::clone(&plan), session.context.task_ctx())
+        .await
+        .unwrap();
+    assert_eq!(rows_as_text(&batches, true).unwrap(), expected);
+    let mut scans = Vec::new();
+    find_scans(&plan, &mut scans);
+    let lineitem = scans
+        .into_iter()
+        .find(|scan| scan.downcast_ref::<SieveScanExec>().unwrap().table().name == "lineitem")
+        .expect("a lineitem scan");
+    let shown = datafusion::physical_plan::displayable(lineitem.as_ref())
+        .one_line()
+        .to_string();
+    assert!(
+        shown.contains("join filter from supplier (through joins below it): range"),
+        "{shown}"
+    );
+    let with: Vec<usize> = names.iter().map(|name| metric(&lineitem, name)).collect();
+    session
+        .apply_settings(&["sieve.join_filters_through_joins=false".into()])
+        .unwrap();
+    let (without, rows) = scan_metrics(&session, sql, "lineitem", &names).await;
+    assert_eq!(rows, expected);
+    eprintln!("lineitem scan {names:?}: through joins {with:?}, without {without:?}");
+    assert!(
+        with[0] > 0 && with[0] * 3 <= without[0] && with[1] * 2 <= without[1],
+        "rows and bytes shipped: {with:?} through joins, {without:?} without"
+    );
+}

@@ -141,6 +141,13 @@ const QUERIES: &[&str] = &[
     "SELECT count(*) FROM a JOIN (SELECT * FROM b WHERE v < 10) x ON a.k = x.k AND a.v < x.v",
     "SELECT count(*), count(x.id) FROM a LEFT JOIN (SELECT * FROM b WHERE v < 10) x ON a.k = x.k AND a.v > x.v",
     "SELECT count(*) FROM a JOIN b ON a.k = b.k AND a.k2 = b.k2 WHERE b.v < 20",
+    // A join whose probe key reaches a scan through the join below it (a key
+    // filter through joins): NULL-equal, keys from both sides (TPC-H Q5's
+    // shape), and an outer join in between, which the filter does not cross.
+    "SELECT count(*), count(x.k) FROM a JOIN b ON a.id = b.id JOIN (SELECT * FROM c WHERE v < 10) x ON (a.k IS NOT DISTINCT FROM x.k) AND (b.k2 IS NOT DISTINCT FROM x.k2)",
+    "SELECT count(*), sum(a.v) FROM a JOIN b ON a.id = b.id JOIN (SELECT * FROM c WHERE v < 10) x ON a.k = x.k AND b.k2 = x.k2",
+    "SELECT count(*), count(b.k) FROM a LEFT JOIN b ON a.id = b.id JOIN (SELECT * FROM c WHERE v < 10) x ON b.k IS NOT DISTINCT FROM x.k",
+    "SELECT count(*) FROM a JOIN b ON a.k = b.k JOIN (SELECT * FROM c WHERE v < 5) x ON b.k2 = x.k2 AND a.v = x.v",
     // A recursive CTE whose recursive term joins a Sieve scan: the term runs
     // again for every iteration, and its join filter with it.
     "WITH RECURSIVE r(k, depth) AS ( \
@@ -193,6 +200,19 @@ async fn joins_over_null_keys_equal_plain_datafusion() {
     let plan = explain_analyze(&session, QUERIES[0]).await;
     assert!(
         plan.contains("join filter from") && plan.contains("NULL keys kept"),
+        "{plan}"
+    );
+
+    // The NULL-equal join above another reaches `a` through it, NULLs kept.
+    let through = QUERIES
+        .iter()
+        .find(|sql| sql.contains("x ON (a.k IS NOT DISTINCT FROM x.k) AND (b.k2"))
+        .expect("listed");
+    let plan = explain_analyze(&session, through).await;
+    assert!(
+        plan.lines().any(|line| line.contains("table=a")
+            && line.contains("(through joins below it)")
+            && line.contains("NULL keys kept")),
         "{plan}"
     );
 

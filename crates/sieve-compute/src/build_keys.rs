@@ -40,6 +40,8 @@ pub struct BuildKeys {
     /// Rows past which collecting stops (the keys are then not usable).
     rows_max: usize,
     state: Mutex<KeysState>,
+    /// Woken when a partition finishes.
+    finished: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
@@ -73,6 +75,21 @@ impl BuildKeys {
                 columns: vec![Vec::new(); key_columns],
                 ..KeysState::default()
             }),
+            finished: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Returns once every build partition has been read to its end (never,
+    /// if the build side fails: callers bound the wait).
+    pub async fn wait_complete(&self) {
+        loop {
+            // Created before the check, so a partition finishing in between
+            // still wakes it (`Notify::notify_waiters`).
+            let finished = self.finished.notified();
+            if self.state.lock().expect("never poisoned").finished >= self.partitions {
+                return;
+            }
+            finished.await;
         }
     }
 
@@ -95,6 +112,7 @@ impl BuildKeys {
 
     fn finish_partition(&self) {
         self.state.lock().expect("never poisoned").finished += 1;
+        self.finished.notify_waiters();
     }
 
     /// The keys, if every build partition has been read to its end.
@@ -131,6 +149,13 @@ impl BuildKeysExec {
             keys,
             collector,
         }
+    }
+}
+
+impl BuildKeysExec {
+    /// Where the keys go.
+    pub fn collector(&self) -> &Arc<BuildKeys> {
+        &self.collector
     }
 }
 

@@ -32,6 +32,10 @@ extensions_options! {
         /// Apply hash joins' build-side keys (range, IN list, Bloom filter)
         /// on the storage nodes of the probe side.
         pub join_filters: bool, default = true
+        /// Also filter a scan by the keys of an inner join further up whose
+        /// probe key reaches the scan only through other inner joins (TPC-H
+        /// Q5's supplier join and its lineitem scan).
+        pub join_filters_through_joins: bool, default = true
         /// Build-side keys up to this many go as an exact IN list when no key
         /// bitmap fits (up to 20, always).
         pub join_filter_list_max: usize, default = 1024

@@ -61,7 +61,7 @@ pub use deep::{
 };
 pub use early_start::{EarlyStartExec, StartScansEarly};
 pub use failover::FailoverSettings;
-pub use join_filter::{JoinFilterSettings, JoinFilterSlot};
+pub use join_filter::{JoinFilterSettings, JoinFilterSlot, KeyFilterSlot};
 pub use optimizer::{PushAggregateToStorage, WaitForJoinFilters};
 pub use range_store::{ClusterRangeStore, RANGE_REQUEST_TIMEOUT_MS};
 pub use scan::{PushedAggregate, ScanOptions, SieveScanExec};

@@ -13,14 +13,19 @@
 //!   is estimated to hold about every value the probe key can take is dropped
 //!   instead, so the join does not spend time building it. The join's build
 //!   input gets a [`BuildKeysExec`], which collects the key values the
-//!   scan's list or Bloom filter is made of.
+//!   scan's list or Bloom filter is made of. An inner join whose probe key
+//!   reaches a scan only through other inner joins (DataFusion pushes its
+//!   filter nowhere when its keys come from both sides of the join below)
+//!   gives that scan a key filter of its collected keys
+//!   ([`crate::join_filter::KeyFilterSlot`]).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::stats::Precision;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
-use datafusion::common::Result;
+use datafusion::common::{JoinType, NullEquality, Result};
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_expr::PhysicalExpr;
@@ -32,11 +37,13 @@ use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
 use datafusion::physical_plan::{ExecutionPlan, Partitioning};
 use sieve_fragment::{check_plan_allowed, SliceInputExec};
 
 use crate::build_keys::{BuildKeys, BuildKeysExec};
+use crate::join_filter::KeyFilterSlot;
 use crate::{PushedAggregate, SieveConfig, SieveScanExec};
 
 fn recompute() -> ReplaceChildrenOptions {
@@ -294,18 +301,27 @@ const BUILD_ROWS_PER_KEY: usize = 4;
 struct JoinSource {
     /// The dynamic filter's expression id.
     id: u64,
+    /// The join's place in post order (see [`post_order`]).
+    join: usize,
+}
+
+/// A hash join of the plan, with what its filters need.
+struct JoinInfo {
     /// The build side's tables, for EXPLAIN.
     name: String,
     /// Exact build-side rows, if known.
     build_rows: Option<usize>,
     /// Where the build side's keys are collected.
     keys: Arc<BuildKeys>,
-    /// Whether a scan applies the filter (only then are keys collected).
+    /// Whether a scan applies one of its filters (only then are keys
+    /// collected).
     used: bool,
 }
 
 /// Tells scans which hash join each of their dynamic filters comes from, so
 /// they wait for it, and drops those that cannot filter (see the module docs).
+/// Also gives scans the key filters of inner joins further up whose
+/// DataFusion filter cannot reach them ([`KeyFilterSlot`]).
 #[derive(Debug, Default)]
 pub struct WaitForJoinFilters;
 
@@ -325,6 +341,77 @@ fn build_side_name(plan: &Arc<dyn ExecutionPlan>) -> String {
     }
 }
 
+/// Every node of `plan` in post order: the order in which `transform_up`
+/// visits them, so a node's place identifies it across passes that keep the
+/// plan's shape.
+fn post_order(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<Arc<dyn ExecutionPlan>>) {
+    for child in plan.children() {
+        post_order(child, out);
+    }
+    out.push(Arc::clone(plan));
+}
+
+/// The Sieve scan (without a pushed aggregation) and its output column that
+/// output column `index` of `plan` carries unchanged, row for row, through
+/// column projections, filters, repartitions, coalescing, sorts and inner
+/// hash joins; `None` past any other operator.
+fn trace_column(
+    plan: &Arc<dyn ExecutionPlan>,
+    index: usize,
+) -> Option<(Arc<dyn ExecutionPlan>, usize)> {
+    if let Some(scan) = plan.downcast_ref::<SieveScanExec>() {
+        return (scan.aggregate().is_none() && index < scan.schema().fields().len())
+            .then(|| (Arc::clone(plan), index));
+    }
+    if let Some(projection) = plan.downcast_ref::<ProjectionExec>() {
+        let column = projection
+            .expr()
+            .get(index)?
+            .expr
+            .downcast_ref::<Column>()?;
+        return trace_column(projection.input(), column.index());
+    }
+    if let Some(filter) = plan.downcast_ref::<FilterExec>() {
+        let index = match filter.projection() {
+            Some(projection) => *projection.get(index)?,
+            None => index,
+        };
+        return trace_column(filter.input(), index);
+    }
+    if let Some(join) = plan.downcast_ref::<HashJoinExec>() {
+        if *join.join_type() != JoinType::Inner {
+            return None;
+        }
+        let index = match &join.projection {
+            Some(projection) => *projection.get(index)?,
+            None => index,
+        };
+        // An inner join's columns: the left input's, then the right's.
+        let left_columns = join.left().schema().fields().len();
+        return if index < left_columns {
+            trace_column(join.left(), index)
+        } else {
+            trace_column(join.right(), index - left_columns)
+        };
+    }
+    let passes_through = plan.downcast_ref::<RepartitionExec>().is_some()
+        || plan.downcast_ref::<CoalescePartitionsExec>().is_some()
+        || plan.downcast_ref::<SortExec>().is_some()
+        || plan.downcast_ref::<BuildKeysExec>().is_some();
+    #[allow(deprecated)]
+    let passes_through = passes_through
+        || plan
+            .downcast_ref::<datafusion::physical_plan::coalesce_batches::CoalesceBatchesExec>()
+            .is_some();
+    if passes_through {
+        let [input] = &plan.children()[..] else {
+            return None;
+        };
+        return trace_column(input, index);
+    }
+    None
+}
+
 impl PhysicalOptimizerRule for WaitForJoinFilters {
     fn optimize(
         &self,
@@ -332,91 +419,182 @@ impl PhysicalOptimizerRule for WaitForJoinFilters {
         config: &ConfigOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
         let settings = SieveConfig::of(config);
+        let mut nodes = Vec::new();
+        post_order(&plan, &mut nodes);
+        let place_of = |target: &Arc<dyn ExecutionPlan>| {
+            nodes.iter().position(|node| Arc::ptr_eq(node, target))
+        };
+        // Every hash join, with its key collector.
+        let mut joins: HashMap<usize, JoinInfo> = HashMap::new();
         let mut sources: Vec<JoinSource> = Vec::new();
-        plan.apply(|node| {
-            if let Some(join) = node.downcast_ref::<HashJoinExec>() {
-                // Only an exact count (estimates through filters and joins are
-                // too rough to give a useful filter up on), and only if no scan
-                // of the build side is itself cut by a join filter at run time.
-                let mut build_filtered = false;
-                join.left().apply(|inner| {
-                    if inner
-                        .downcast_ref::<SieveScanExec>()
-                        .is_some_and(SieveScanExec::has_join_filters)
-                    {
-                        build_filtered = true;
-                        return Ok(TreeNodeRecursion::Stop);
-                    }
-                    Ok(TreeNodeRecursion::Continue)
-                })?;
-                let build_rows = StatisticsContext::new()
-                    .compute(join.left().as_ref(), &StatisticsArgs::new())
-                    .ok()
-                    .and_then(|statistics| match statistics.num_rows {
-                        Precision::Exact(rows) if !build_filtered => Some(rows),
-                        _ => None,
-                    });
-                let partitions = match join.partition_mode() {
-                    PartitionMode::CollectLeft => 1,
-                    _ => join.left().properties().partitioning.partition_count(),
-                };
-                for filter in join.dynamic_expressions_produced() {
-                    if let Some(id) = filter.expression_id() {
-                        sources.push(JoinSource {
-                            id,
-                            name: build_side_name(join.left()),
-                            build_rows,
-                            keys: Arc::new(BuildKeys::new(
-                                partitions,
-                                join.on().len(),
-                                settings
-                                    .join_filter_keys_max
-                                    .saturating_mul(BUILD_ROWS_PER_KEY),
-                            )),
-                            used: false,
-                        });
-                    }
+        for (place, node) in nodes.iter().enumerate() {
+            let Some(join) = node.downcast_ref::<HashJoinExec>() else {
+                continue;
+            };
+            // Only an exact count (estimates through filters and joins are
+            // too rough to give a useful filter up on), and only if no scan
+            // of the build side is itself cut by a join filter at run time.
+            let mut build_filtered = false;
+            join.left().apply(|inner| {
+                if inner
+                    .downcast_ref::<SieveScanExec>()
+                    .is_some_and(SieveScanExec::has_join_filters)
+                {
+                    build_filtered = true;
+                    return Ok(TreeNodeRecursion::Stop);
+                }
+                Ok(TreeNodeRecursion::Continue)
+            })?;
+            let build_rows = StatisticsContext::new()
+                .compute(join.left().as_ref(), &StatisticsArgs::new())
+                .ok()
+                .and_then(|statistics| match statistics.num_rows {
+                    Precision::Exact(rows) if !build_filtered => Some(rows),
+                    _ => None,
+                });
+            let partitions = match join.partition_mode() {
+                PartitionMode::CollectLeft => 1,
+                _ => join.left().properties().partitioning.partition_count(),
+            };
+            // A plan optimized twice keeps the collector its join already feeds.
+            let keys = match join.left().downcast_ref::<BuildKeysExec>() {
+                Some(tap) => Arc::clone(tap.collector()),
+                None => Arc::new(BuildKeys::new(
+                    partitions,
+                    join.on().len(),
+                    settings
+                        .join_filter_keys_max
+                        .saturating_mul(BUILD_ROWS_PER_KEY),
+                )),
+            };
+            joins.insert(
+                place,
+                JoinInfo {
+                    name: build_side_name(join.left()),
+                    build_rows,
+                    keys,
+                    used: false,
+                },
+            );
+            for filter in join.dynamic_expressions_produced() {
+                if let Some(id) = filter.expression_id() {
+                    sources.push(JoinSource { id, join: place });
                 }
             }
-            Ok(TreeNodeRecursion::Continue)
-        })?;
-        if sources.is_empty() {
+        }
+        if joins.is_empty() {
             return Ok(plan);
         }
+        // Key filters of inner joins whose probe keys reach a scan through
+        // other joins (by the scan's place).
+        let mut key_filters: HashMap<usize, Vec<(usize, KeyFilterSlot)>> = HashMap::new();
+        if settings.join_filters && settings.join_filters_through_joins {
+            for (place, node) in nodes.iter().enumerate() {
+                let Some(join) = node.downcast_ref::<HashJoinExec>() else {
+                    continue;
+                };
+                // One build partition, collected before the probe side is
+                // polled: the scan below never waits for a build side that
+                // waits for it.
+                if *join.join_type() != JoinType::Inner
+                    || *join.partition_mode() != PartitionMode::CollectLeft
+                {
+                    continue;
+                }
+                let ids: Vec<u64> = join
+                    .dynamic_expressions_produced()
+                    .iter()
+                    .filter_map(|filter| filter.expression_id())
+                    .collect();
+                let info = &joins[&place];
+                for (position, (build_key, probe_key)) in join.on().iter().enumerate() {
+                    let Some(column) = probe_key.downcast_ref::<Column>() else {
+                        continue;
+                    };
+                    let Some((scan_node, scan_column)) = trace_column(join.right(), column.index())
+                    else {
+                        continue;
+                    };
+                    let scan = scan_node
+                        .downcast_ref::<SieveScanExec>()
+                        .expect("traced to a scan");
+                    // Its own filter reaches the scan the usual way.
+                    if ids.iter().any(|&id| scan.holds_expression_id(id)) {
+                        continue;
+                    }
+                    let Some(scan_place) = place_of(&scan_node) else {
+                        continue;
+                    };
+                    let build_type = build_key.data_type(&join.left().schema())?;
+                    if &build_type != scan.schema().field(scan_column).data_type() {
+                        continue;
+                    }
+                    if let (Some(rows), Some(bound)) =
+                        (info.build_rows, scan.column_distinct_bound(scan_column))
+                    {
+                        if (rows as f64) >= UNSELECTIVE_BUILD_RATIO * bound as f64 {
+                            continue;
+                        }
+                    }
+                    key_filters.entry(scan_place).or_default().push((
+                        place,
+                        KeyFilterSlot {
+                            source: info.name.clone(),
+                            keys: Arc::clone(&info.keys),
+                            position,
+                            column: scan_column,
+                            nulls_pass: join.null_equality() == NullEquality::NullEqualsNull,
+                        },
+                    ));
+                }
+            }
+        }
+        if sources.is_empty() && key_filters.is_empty() {
+            return Ok(plan);
+        }
+        let mut place = 0;
         let plan = plan
             .transform_up(|node| {
+                let here = place;
+                place += 1;
                 let Some(scan) = node.downcast_ref::<SieveScanExec>() else {
                     return Ok(Transformed::no(node));
                 };
                 let mut updated: Option<SieveScanExec> = None;
-                for source in &mut sources {
+                for source in &sources {
                     let current = updated.as_ref().unwrap_or(scan);
                     if !current.holds_expression_id(source.id) {
                         continue;
                     }
+                    let info = joins.get_mut(&source.join).expect("every join is listed");
                     // A build side with about as many keys as the probe key can
                     // take filters nothing, yet building its key list costs the
                     // join: drop the filter, so the join does not compute it.
                     let bound = current.join_key_distinct_bound(source.id);
-                    if let (Some(rows), Some(bound)) = (source.build_rows, bound) {
+                    if let (Some(rows), Some(bound)) = (info.build_rows, bound) {
                         if (rows as f64) >= UNSELECTIVE_BUILD_RATIO * bound as f64 {
                             updated = Some(current.without_join_filter(
                                 source.id,
                                 format!(
                                     "join filter from {} dropped: {rows} build rows \
                                      for at most {bound} distinct probe keys",
-                                    source.name
+                                    info.name
                                 ),
                             ));
                             continue;
                         }
                     }
-                    source.used = true;
+                    info.used = true;
                     updated = Some(current.with_join_filter_source(
                         source.id,
-                        &source.name,
-                        Arc::clone(&source.keys),
+                        &info.name,
+                        Arc::clone(&info.keys),
                     ));
+                }
+                for (join, slot) in key_filters.remove(&here).unwrap_or_default() {
+                    let current = updated.as_ref().unwrap_or(scan);
+                    joins.get_mut(&join).expect("every join is listed").used = true;
+                    updated = Some(current.with_key_filter(slot));
                 }
                 Ok(match updated {
                     Some(updated) => Transformed::yes(Arc::new(updated) as Arc<dyn ExecutionPlan>),
@@ -425,19 +603,14 @@ impl PhysicalOptimizerRule for WaitForJoinFilters {
             })?
             .data;
         // Collect the build-side keys of every join whose filter a scan uses.
+        let mut place = 0;
         plan.transform_up(|node| {
+            let here = place;
+            place += 1;
             let Some(join) = node.downcast_ref::<HashJoinExec>() else {
                 return Ok(Transformed::no(node));
             };
-            let ids: Vec<u64> = join
-                .dynamic_expressions_produced()
-                .iter()
-                .filter_map(|filter| filter.expression_id())
-                .collect();
-            let Some(source) = sources
-                .iter()
-                .find(|source| source.used && ids.contains(&source.id))
-            else {
+            let Some(info) = joins.get(&here).filter(|info| info.used) else {
                 return Ok(Transformed::no(node));
             };
             if join.left().downcast_ref::<BuildKeysExec>().is_some() {
@@ -447,7 +620,7 @@ impl PhysicalOptimizerRule for WaitForJoinFilters {
             let tap: Arc<dyn ExecutionPlan> = Arc::new(BuildKeysExec::new(
                 Arc::clone(join.left()),
                 keys,
-                Arc::clone(&source.keys),
+                Arc::clone(&info.keys),
             ));
             let right = Arc::clone(join.right());
             Ok(Transformed::yes(

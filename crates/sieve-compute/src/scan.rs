@@ -50,7 +50,9 @@ use crate::client::{SlicePart, StorageClient};
 use crate::early_start::{buffer_ahead, EarlySlots};
 use crate::estimate::filtered_statistics;
 use crate::failover::{request_slice, FailoverSettings, SliceRequests};
-use crate::join_filter::{resolve, JoinFilterSettings, JoinFilterSlot, ProbeColumns};
+use crate::join_filter::{
+    resolve, JoinFilterSettings, JoinFilterSlot, KeyFilterSlot, ProbeColumns,
+};
 use crate::raw::{complete_raw, RawPages};
 use crate::{ClusterCatalog, ClusterSlice, ClusterTable, Traffic};
 
@@ -78,6 +80,8 @@ pub struct SieveScanExec {
     join_notes: Vec<String>,
     /// Dynamic filters from joins above, applied on the storage nodes.
     join_filters: Vec<JoinFilterSlot>,
+    /// Key filters from joins further above, through other joins.
+    key_filters: Vec<KeyFilterSlot>,
     join_settings: JoinFilterSettings,
     /// What the join filters resolved to in the last execution, for EXPLAIN ANALYZE.
     join_filters_resolved: Arc<Mutex<Vec<String>>>,
@@ -211,6 +215,7 @@ impl SieveScanExec {
             aggregate_note: None,
             join_notes: vec![],
             join_filters: vec![],
+            key_filters: vec![],
             join_settings,
             join_filters_resolved: Arc::new(Mutex::new(vec![])),
             resolved_body: Arc::new(tokio::sync::OnceCell::new()),
@@ -239,6 +244,7 @@ impl SieveScanExec {
             aggregate_note: self.aggregate_note.clone(),
             join_notes: self.join_notes.clone(),
             join_filters: self.join_filters.clone(),
+            key_filters: self.key_filters.clone(),
             join_settings: self.join_settings.clone(),
             join_filters_resolved: Arc::new(Mutex::new(vec![])),
             resolved_body: Arc::new(tokio::sync::OnceCell::new()),
@@ -301,6 +307,24 @@ impl SieveScanExec {
         }
         Self {
             join_filters,
+            ..self.copy()
+        }
+    }
+
+    /// This scan, also filtered by `slot`'s build keys (a join further up;
+    /// see [`KeyFilterSlot`]). Not for a scan with a pushed aggregation.
+    pub fn with_key_filter(&self, slot: KeyFilterSlot) -> Self {
+        let mut key_filters = self.key_filters.clone();
+        // A plan optimized twice offers the same join's filter again.
+        if !key_filters.iter().any(|held| {
+            Arc::ptr_eq(&held.keys, &slot.keys)
+                && held.position == slot.position
+                && held.column == slot.column
+        }) {
+            key_filters.push(slot);
+        }
+        Self {
+            key_filters,
             ..self.copy()
         }
     }
@@ -393,7 +417,7 @@ impl SieveScanExec {
 
     /// Whether the scan holds any dynamic filter from above.
     pub fn has_join_filters(&self) -> bool {
-        !self.join_filters.is_empty()
+        !self.join_filters.is_empty() || !self.key_filters.is_empty()
     }
 
     /// Nodes holding a copy of a slice this scan asks for: where its join
@@ -411,7 +435,7 @@ impl SieveScanExec {
 
     /// Whether the scan's requests wait for a join's build side.
     pub fn waits_for_join_filters(&self) -> bool {
-        self.join_filters.iter().any(|slot| slot.source.is_some())
+        self.join_filters.iter().any(|slot| slot.source.is_some()) || !self.key_filters.is_empty()
     }
 
     /// Rows estimated to match the pushed predicate (before any pushed
@@ -706,6 +730,13 @@ impl DisplayAs for SieveScanExec {
                     write!(formatter, ", join filter from {source}: pending")?;
                 }
             }
+            for slot in &self.key_filters {
+                write!(
+                    formatter,
+                    ", join filter from {} (through joins below it): pending",
+                    slot.source
+                )?;
+            }
         } else {
             for description in resolved {
                 write!(formatter, ", {description}")?;
@@ -813,16 +844,20 @@ impl ExecutionPlan for SieveScanExec {
             .cloned()
             .collect();
         let mut join_notes = self.join_notes.clone();
-        for slot in &self.join_filters {
-            if let Some(source) = &slot.source {
-                join_notes.push(format!(
-                    "join filter from {source}: none (the plan was reset to run again, \
-                     and its join with it)"
-                ));
-            }
+        let sources = self
+            .join_filters
+            .iter()
+            .filter_map(|slot| slot.source.as_ref())
+            .chain(self.key_filters.iter().map(|slot| &slot.source));
+        for source in sources {
+            join_notes.push(format!(
+                "join filter from {source}: none (the plan was reset to run again, \
+                 and its join with it)"
+            ));
         }
         Ok(Arc::new(Self {
             join_filters,
+            key_filters: vec![],
             join_notes,
             metrics: self.metrics.clone(),
             ..self.copy()
@@ -938,6 +973,7 @@ impl SieveScanExec {
         // resolve to once their build sides are complete.
         let base_body = Arc::clone(&self.body);
         let join_filters = self.join_filters.clone();
+        let key_filters = self.key_filters.clone();
         let join_settings = self.join_settings.clone();
         let resolved_out = Arc::clone(&self.join_filters_resolved);
         let table = Arc::clone(&self.table);
@@ -973,7 +1009,7 @@ impl SieveScanExec {
                                 distinct_bounds: &distinct_bounds,
                             };
                             let (conjuncts, mut descriptions) =
-                                resolve(&join_filters, &join_settings, probe).await?;
+                                resolve(&join_filters, &key_filters, &join_settings, probe).await?;
                             let note = |descriptions: Vec<String>| {
                                 *resolved_out.lock().expect("never poisoned") = descriptions;
                             };

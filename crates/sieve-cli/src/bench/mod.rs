@@ -100,6 +100,8 @@ pub struct BenchOptions {
     pub out_directory: PathBuf,
     /// Session settings for the Sieve modes (`key=value`).
     pub settings: Vec<String>,
+    /// Extra arguments for every storage node's `sieve storage`.
+    pub storage_args: Vec<String>,
     /// The `sieve` binary to start storage nodes with.
     pub sieve_binary: PathBuf,
 }
@@ -187,6 +189,7 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         &options.out_directory.join("logs"),
         &cleanup,
         &secret,
+        &options.storage_args,
     )?;
     let urls: Vec<String> = processes
         .iter()
@@ -314,6 +317,7 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
             .map(|mode| mode.name().to_string())
             .collect(),
         settings: options.settings.clone(),
+        storage_args: options.storage_args.clone(),
         energy_model: model,
         queries: reports,
         elapsed_seconds: started.elapsed().as_secs_f64(),

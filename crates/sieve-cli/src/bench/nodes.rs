@@ -40,8 +40,9 @@ fn free_port() -> Result<u16> {
         .port())
 }
 
-/// Start one `sieve storage` per node directory under `root`, inside its
-/// namespace when `links` is given, and wait until each accepts connections.
+/// Start one `sieve storage` per node directory under `root` (with
+/// `extra_args`), inside its namespace when `links` is given, and wait until
+/// each accepts connections.
 pub fn start(
     sieve: &Path,
     root: &Path,
@@ -50,6 +51,7 @@ pub fn start(
     logs: &Path,
     cleanup: &SharedCleanup,
     secret: &Secret,
+    extra_args: &[String],
 ) -> Result<Vec<NodeProcess>> {
     std::fs::create_dir_all(logs)?;
     let mut started = Vec::with_capacity(nodes);
@@ -89,6 +91,7 @@ pub fn start(
             .arg(flight.to_string())
             .arg("--range-listen")
             .arg(range.to_string())
+            .args(extra_args)
             // The secret goes by environment, never on the command line,
             // where `ps` shows it to every user of the host.
             .env(SECRET_ENV, secret.expose())

@@ -218,6 +218,8 @@ pub struct BenchReport {
     pub modes: Vec<String>,
     /// Session settings given with --set.
     pub settings: Vec<String>,
+    /// Storage node arguments given with --storage-arg.
+    pub storage_args: Vec<String>,
     /// The energy model's constants.
     pub energy_model: EnergyModel,
     /// Per query.
@@ -320,6 +322,21 @@ impl BenchReport {
                 "Sieve's own count (none for DuckDB on loopback)"
             },
         ));
+        if !self.settings.is_empty() || !self.storage_args.is_empty() {
+            out.push_str(&format!(
+                "Settings: {}; storage node arguments: {}\n\n",
+                if self.settings.is_empty() {
+                    "defaults".to_string()
+                } else {
+                    self.settings.join(", ")
+                },
+                if self.storage_args.is_empty() {
+                    "defaults".to_string()
+                } else {
+                    self.storage_args.join(" ")
+                },
+            ));
+        }
         let mut header = vec!["query".to_string()];
         header.extend(modes.iter().map(|mode| format!("{mode} ms")));
         header.extend(

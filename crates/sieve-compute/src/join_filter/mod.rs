@@ -57,9 +57,9 @@ use datafusion::physical_expr_common::physical_expr::snapshot_physical_expr;
 use sieve_fragment::{BloomFilterExpr, KeyBitmapExpr, KEY_BITMAP_BYTES_MAX};
 
 use crate::build_keys::{BuildKeys, CollectedKeys};
-#[cfg(test)]
-use implied::ColumnFact;
-use implied::{implied, Implied, JoinKeys, Members, Values};
+use datafusion::functions_aggregate::min_max::{MaxAccumulator, MinAccumulator};
+use datafusion::logical_expr::Accumulator;
+use implied::{implied, ColumnFact, Implied, JoinKeys, Members, Values};
 
 /// A dynamic filter a scan received from above.
 #[derive(Debug, Clone)]
@@ -73,6 +73,30 @@ pub struct JoinFilterSlot {
     /// table (see [`crate::build_keys`]): the values of the list or Bloom
     /// filter, in place of DataFusion's IN list.
     pub keys: Option<Arc<BuildKeys>>,
+}
+
+/// A key filter from a hash join further up, whose probe key reaches this
+/// scan's column through other inner joins, projections, filters and
+/// repartitions ([`crate::optimizer`]): DataFusion pushes a join's dynamic
+/// filter only where all its key columns come from one input, so the
+/// supplier join of TPC-H Q5 (on `l_suppkey` and `c_nationkey`, above the
+/// orders-lineitem join) reaches no scan. Every output row of an inner
+/// equi-join carries a probe key equal to a build key, and the operators in
+/// between pass the column's value unchanged, so a lineitem row whose
+/// `l_suppkey` is not among the build keys reaches no output row: the scan
+/// may drop it.
+#[derive(Debug, Clone)]
+pub struct KeyFilterSlot {
+    /// The join's build side, for EXPLAIN.
+    pub source: String,
+    /// The join's build-side keys.
+    pub keys: Arc<BuildKeys>,
+    /// Which of the join's keys reaches this scan.
+    pub position: usize,
+    /// The scan output column it reaches.
+    pub column: usize,
+    /// Whether NULL keys match (`IS NOT DISTINCT FROM` joins).
+    pub nulls_pass: bool,
 }
 
 /// How build-side keys are shipped (the `sieve.join_filter_*` settings).
@@ -122,11 +146,20 @@ const LIST_PREFERRED_MAX: usize = 20;
 /// per filter.
 pub(crate) async fn resolve(
     slots: &[JoinFilterSlot],
+    key_slots: &[KeyFilterSlot],
     settings: &JoinFilterSettings,
     probe: ProbeColumns<'_>,
 ) -> Result<(Vec<Arc<dyn PhysicalExpr>>, Vec<String>)> {
     let mut conjuncts = Vec::new();
     let mut descriptions = Vec::new();
+    for slot in key_slots {
+        let (parts, description) = resolve_key_slot(slot, settings, probe).await?;
+        descriptions.push(format!(
+            "join filter from {} (through joins below it): {description}",
+            slot.source
+        ));
+        conjuncts.extend(parts);
+    }
     for slot in slots {
         let Some(source) = &slot.source else {
             continue;
@@ -197,6 +230,80 @@ pub(crate) async fn resolve(
         conjuncts.extend(parts);
     }
     Ok((conjuncts, descriptions))
+}
+
+/// Wait for a [`KeyFilterSlot`]'s build side, then its conjuncts: the key
+/// range and a membership test of the collected keys, with NULLs only where
+/// they match.
+async fn resolve_key_slot(
+    slot: &KeyFilterSlot,
+    settings: &JoinFilterSettings,
+    probe: ProbeColumns<'_>,
+) -> Result<(Vec<Arc<dyn PhysicalExpr>>, String)> {
+    if tokio::time::timeout(settings.wait, slot.keys.wait_complete())
+        .await
+        .is_err()
+    {
+        return Ok((
+            vec![],
+            format!("none (build side not complete after {:?})", settings.wait),
+        ));
+    }
+    let columns = match slot.keys.collected() {
+        CollectedKeys::Keys(columns) => columns,
+        CollectedKeys::TooMany(rows) => {
+            return Ok((
+                vec![],
+                format!("none ({rows} build rows, above what is collected)"),
+            ))
+        }
+        CollectedKeys::Incomplete => return Ok((vec![], "none (build side incomplete)".into())),
+    };
+    let Some(arrays) = columns.get(slot.position) else {
+        return Ok((vec![], "none (no such key)".into()));
+    };
+    let (mut low, mut high) = (None::<ScalarValue>, None::<ScalarValue>);
+    for array in arrays {
+        let mut min = MinAccumulator::try_new(array.data_type())?;
+        let mut max = MaxAccumulator::try_new(array.data_type())?;
+        min.update_batch(std::slice::from_ref(array))?;
+        max.update_batch(std::slice::from_ref(array))?;
+        let (min, max) = (min.evaluate()?, max.evaluate()?);
+        if !min.is_null() && low.as_ref().is_none_or(|low| min < *low) {
+            low = Some(min);
+        }
+        if !max.is_null() && high.as_ref().is_none_or(|high| max > *high) {
+            high = Some(max);
+        }
+    }
+    let values = match (low, high) {
+        (Some(low), Some(high)) => Values::Within {
+            low: Some(low),
+            high: Some(high),
+            members: Some(Members::BuildKeys(slot.position)),
+        },
+        // No non-NULL build key.
+        _ => Values::Empty,
+    };
+    let implied = if matches!(values, Values::Empty) && !slot.nulls_pass {
+        Implied {
+            nothing: true,
+            ..Implied::default()
+        }
+    } else {
+        Implied {
+            columns: [(
+                slot.column,
+                ColumnFact {
+                    values,
+                    nulls_pass: slot.nulls_pass,
+                },
+            )]
+            .into(),
+            ..Implied::default()
+        }
+    };
+    build(&implied, Some(&columns), settings, probe)
 }
 
 /// The conjuncts over the table schema that `implied` allows (see
