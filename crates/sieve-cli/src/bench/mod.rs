@@ -182,14 +182,16 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
     // A fresh secret per run, for the nodes, the session and DuckDB.
     let secret = crate::secret::random_secret()?;
     let processes = nodes::start(
-        &options.sieve_binary,
+        nodes::NodeCommand {
+            sieve: &options.sieve_binary,
+            extra_args: &options.storage_args,
+        },
         &root,
         links.as_deref(),
         options.nodes,
         &options.out_directory.join("logs"),
         &cleanup,
         &secret,
-        &options.storage_args,
     )?;
     let urls: Vec<String> = processes
         .iter()

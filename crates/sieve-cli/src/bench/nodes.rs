@@ -40,19 +40,28 @@ fn free_port() -> Result<u16> {
         .port())
 }
 
-/// Start one `sieve storage` per node directory under `root` (with
-/// `extra_args`), inside its namespace when `links` is given, and wait until
-/// each accepts connections.
+/// The `sieve` binary storage nodes run, and extra arguments for each.
+#[derive(Debug, Clone, Copy)]
+pub struct NodeCommand<'a> {
+    /// The binary.
+    pub sieve: &'a Path,
+    /// Arguments after `sieve storage`'s own.
+    pub extra_args: &'a [String],
+}
+
+/// Start one `sieve storage` per node directory under `root` (with the
+/// command's extra arguments), inside its namespace when `links` is given,
+/// and wait until each accepts connections.
 pub fn start(
-    sieve: &Path,
+    command: NodeCommand<'_>,
     root: &Path,
     links: Option<&[NodeLink]>,
     nodes: usize,
     logs: &Path,
     cleanup: &SharedCleanup,
     secret: &Secret,
-    extra_args: &[String],
 ) -> Result<Vec<NodeProcess>> {
+    let NodeCommand { sieve, extra_args } = command;
     std::fs::create_dir_all(logs)?;
     let mut started = Vec::with_capacity(nodes);
     for node in 0..nodes {
