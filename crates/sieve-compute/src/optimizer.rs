@@ -493,12 +493,11 @@ impl PhysicalOptimizerRule for WaitForJoinFilters {
                 let Some(join) = node.downcast_ref::<HashJoinExec>() else {
                     continue;
                 };
-                // One build partition, collected before the probe side is
-                // polled: the scan below never waits for a build side that
-                // waits for it.
-                if *join.join_type() != JoinType::Inner
-                    || *join.partition_mode() != PartitionMode::CollectLeft
-                {
+                // A join collects its build side before it polls its probe
+                // side, so the scan below never waits for a build side that
+                // waits for it; a partitioned join's partitions run at once,
+                // as they must for its own dynamic filter to complete.
+                if *join.join_type() != JoinType::Inner {
                     continue;
                 }
                 let ids: Vec<u64> = join

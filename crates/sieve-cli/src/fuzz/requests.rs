@@ -104,8 +104,9 @@ use datafusion_proto::protobuf::{
 use futures::{StreamExt, TryStreamExt};
 use prost::Message;
 use sieve_fragment::{
-    schema_fingerprint, Fragment, FragmentBody, FragmentEnvelope, SieveCodec, SliceInputExec,
-    SliceMessage, SliceMessageKind, FRAGMENT_BYTES_MAX,
+    schema_fingerprint, Fragment, FragmentBody, FragmentEnvelope, JoinFilterRegistration,
+    SieveCodec, SliceInputExec, SliceMessage, SliceMessageKind, FRAGMENT_BYTES_MAX,
+    REGISTER_JOIN_FILTER_ACTION, RELEASE_JOIN_FILTER_ACTION,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::transport::Channel;
@@ -1803,14 +1804,39 @@ fn random_text(random: &mut SeededRandom, view: &NodeView) -> String {
 fn other_call(random: &mut SeededRandom, view: &NodeView) -> Generated {
     match random.below(4) {
         0 => {
-            let kind = if random.percent(40) {
-                "stats".to_string()
-            } else {
-                random_text(random, view)
+            let kind = match random.below(10) {
+                0..=3 => "stats".to_string(),
+                4 | 5 => REGISTER_JOIN_FILTER_ACTION.to_string(),
+                6 => RELEASE_JOIN_FILTER_ACTION.to_string(),
+                _ => random_text(random, view),
             };
             let long = random.percent(10);
             let length = random.below(if long { 1 << 20 } else { 256 });
-            let body = if random.percent(30) {
+            let body = if kind == REGISTER_JOIN_FILTER_ACTION && random.percent(60) {
+                // A real registration of `column IS NOT NULL`, often damaged.
+                let table = &view.tables[random.below(view.tables.len())];
+                let column = random.below(table.schema.fields().len().max(1));
+                let filter: Arc<dyn PhysicalExpr> =
+                    Arc::new(datafusion::physical_expr::expressions::IsNotNullExpr::new(
+                        Arc::new(Column::new(
+                            table
+                                .schema
+                                .fields()
+                                .get(column)
+                                .map_or("x", |field| field.name()),
+                            column,
+                        )),
+                    ));
+                match JoinFilterRegistration::encode(&table.name, &table.schema, &filter) {
+                    Ok((mut bytes, _)) => {
+                        if random.percent(60) {
+                            mutate_bytes(random, &mut bytes);
+                        }
+                        bytes
+                    }
+                    Err(_) => random_bytes(random, length),
+                }
+            } else if random.percent(30) {
                 br#"{"table":"lineitem","reset":true}"#.to_vec()
             } else {
                 random_bytes(random, length)
