@@ -36,7 +36,7 @@ use sieve_compute::{connect_session, SieveSession, StorageClient};
 use sieve_format::{node_directory, SliceLayout};
 
 pub use link::LinkSpec;
-pub use report::{BenchReport, EnergyModel, ModeReport, QueryReport, Sample};
+pub use report::{BenchReport, EnergyModel, FailedQuery, ModeReport, QueryReport, Sample};
 
 use crate::compare::{rows_as_text, run};
 use crate::queries::{is_ordered, TPCH_QUERIES};
@@ -246,7 +246,8 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         duck: duck.as_mut(),
     };
     let mut reports = Vec::with_capacity(queries.len());
-    for (name, sql) in queries {
+    let mut failed = Vec::new();
+    'queries: for (name, sql) in queries {
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); options.modes.len()];
         let mut answers: Vec<Option<Answer>> = vec![None; options.modes.len()];
         for round in 0..rounds {
@@ -260,7 +261,25 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
                         format!("run {}", round - warmups + 1)
                     }
                 ));
-                let (sample, answer) = context.measure(mode, sql, round < warmups).await?;
+                // A query a mode cannot run (the memory pool exhausted, say)
+                // is recorded and left out; the other queries still run.
+                let (sample, answer) = match context.measure(mode, sql, round < warmups).await {
+                    Ok(measured) => measured,
+                    Err(error) => {
+                        let error = error.to_string();
+                        say(
+                            &progress,
+                            format!("{name} {}: failed: {error}", mode.name()),
+                        );
+                        failed.push(FailedQuery {
+                            query: name.to_string(),
+                            mode: mode.name().to_string(),
+                            error,
+                        });
+                        progress.inc((rounds * options.modes.len()) as u64);
+                        continue 'queries;
+                    }
+                };
                 samples[index].push(sample);
                 if answers[index].is_none() {
                     check_agreement(name, options, &answers, index, &answer, mode)?;
@@ -282,14 +301,17 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
                 ModeReport::new(mode.name(), results::checksum(cells), samples, &model)
             })
             .collect();
-        progress.println(format!(
-            "{name}: {}",
-            modes
-                .iter()
-                .map(|m| format!("{} {:.1} ms", m.mode, m.wall_ms_median))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
+        say(
+            &progress,
+            format!(
+                "{name}: {}",
+                modes
+                    .iter()
+                    .map(|m| format!("{} {:.1} ms", m.mode, m.wall_ms_median))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        );
         reports.push(QueryReport {
             name: name.to_string(),
             modes,
@@ -322,6 +344,7 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         storage_args: options.storage_args.clone(),
         energy_model: model,
         queries: reports,
+        failed,
         elapsed_seconds: started.elapsed().as_secs_f64(),
     };
     let json = serde_json::to_string_pretty(&report)
@@ -490,6 +513,16 @@ impl Measure<'_> {
 
 /// On SIGINT, SIGTERM or SIGHUP: remove the namespaces, stop the storage
 /// processes and DuckDB, and exit.
+/// A line above the progress bar, or on stderr when the bar is hidden (not a
+/// terminal), so that a log shows each query as it ends.
+fn say(progress: &ProgressBar, line: String) {
+    if progress.is_hidden() {
+        eprintln!("{line}");
+    } else {
+        progress.println(line);
+    }
+}
+
 async fn stop_on_signal(cleanup: SharedCleanup) {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut interrupt), Ok(mut terminate), Ok(mut hangup)) = (

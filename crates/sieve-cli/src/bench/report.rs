@@ -224,8 +224,22 @@ pub struct BenchReport {
     pub energy_model: EnergyModel,
     /// Per query.
     pub queries: Vec<QueryReport>,
+    /// Queries left out of `queries` and the totals because a mode failed
+    /// on them (the query, the mode and the error's first line).
+    pub failed: Vec<FailedQuery>,
     /// Total wall time of the benchmark, seconds (setup included).
     pub elapsed_seconds: f64,
+}
+
+/// A query a mode could not run: left out of the table and the totals.
+#[derive(Debug, Clone, Serialize)]
+pub struct FailedQuery {
+    /// `q18`.
+    pub query: String,
+    /// The mode that failed.
+    pub mode: String,
+    /// The error.
+    pub error: String,
 }
 
 /// Totals of one mode over all queries (sums of medians).
@@ -375,6 +389,15 @@ impl BenchReport {
                 query.modes.iter().map(|m| m.wall_ms_median).collect(),
                 query.modes.iter().map(|m| m.bytes_moved).collect(),
                 query.modes.iter().map(|m| m.energy_joules).collect(),
+            ));
+        }
+        for failed in &self.failed {
+            let error = failed.error.lines().next().unwrap_or_default();
+            out.push_str(&format!(
+                "| {} | failed with {}: {} |\n",
+                failed.query,
+                failed.mode,
+                error.replace('|', "/")
             ));
         }
         let totals = self.totals();
