@@ -238,3 +238,52 @@ fn interrupted_bench_leaves_nothing_behind() {
     );
     assert_nothing_left(pid, &mark);
 }
+
+#[test]
+fn a_query_a_mode_cannot_run_is_recorded_and_the_others_still_run() {
+    let mark = format!("failing-{}", std::process::id());
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(&mark);
+    let _ = std::fs::remove_dir_all(&out);
+    // Q18's hash joins cannot build in 256 KiB; Q6 (one sum) needs no pool.
+    let output = bench(
+        &mark,
+        &out,
+        &[
+            "--runs",
+            "1",
+            "--modes",
+            "ndp,off",
+            "--query",
+            "q6",
+            "--query",
+            "q18",
+            "--set",
+            "datafusion.runtime.memory_limit=256K",
+        ],
+    )
+    .output()
+    .expect("sieve bench runs");
+    let (stdout, stderr) = text(&output);
+    assert!(
+        output.status.success(),
+        "sieve bench failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("| q18 | failed with "), "{stdout}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).expect("results.json"))
+            .expect("results.json is JSON");
+    let failed = report["failed"].as_array().expect("failed");
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed[0]["query"], "q18");
+    assert!(
+        failed[0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("Resources exhausted"),
+        "{failed:?}"
+    );
+    let queries = report["queries"].as_array().expect("queries");
+    assert_eq!(queries.len(), 1);
+    assert_eq!(queries[0]["name"], "q6");
+    assert_eq!(queries[0]["modes"].as_array().unwrap().len(), 2);
+}
