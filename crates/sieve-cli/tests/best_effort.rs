@@ -19,11 +19,12 @@ use sieve_compute::{
 };
 use sieve_format::SliceLayout;
 use sieve_fragment::Secret;
-use sieve_fragment::{Fragment, FragmentEnvelope, IpcCodec, SliceMessage, SliceMessageKind};
+use sieve_fragment::{Fragment, FragmentEnvelope, IpcCodec};
 use sieve_storage::ExecuteOptions;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod common;
+mod slices;
 
 use common::NODES;
 
@@ -195,24 +196,7 @@ async fn trailer_of(
     client: &mut AuthenticatedFlightClient,
     ticket: Vec<u8>,
 ) -> sieve_fragment::SliceMetrics {
-    let mut stream = client
-        .do_get(Ticket::new(ticket))
-        .await
-        .unwrap()
-        .into_inner();
-    let mut metrics = None;
-    while let Some(message) = stream.next().await {
-        let message = message.unwrap();
-        if message.data_header.is_empty() && !message.app_metadata.is_empty() {
-            if let Ok(SliceMessage {
-                kind: Some(SliceMessageKind::Metrics(found)),
-            }) = SliceMessage::decode(message.app_metadata.as_ref())
-            {
-                metrics = Some(found);
-            }
-        }
-    }
-    metrics.expect("a metrics trailer")
+    slices::slice_messages(client, ticket).await.1
 }
 
 /// A Flight client on its own connection.

@@ -17,9 +17,10 @@ use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_compute::{connect_session, BearerAuth, SieveSession, StorageClient};
 use sieve_format::SliceLayout;
 use sieve_fragment::{
-    Fragment, FragmentEnvelope, JoinFilterRegistration, SliceMessage, SliceMessageKind,
-    SliceMetrics, REGISTER_JOIN_FILTER_ACTION,
+    Fragment, FragmentEnvelope, JoinFilterRegistration, SliceMetrics, REGISTER_JOIN_FILTER_ACTION,
 };
+
+mod slices;
 
 const NODES: usize = 3;
 
@@ -141,35 +142,14 @@ async fn rows_and_trailer(
     client: &mut sieve_compute::AuthenticatedFlightClient,
     envelope: &FragmentEnvelope,
 ) -> (usize, SliceMetrics) {
-    let stream = client
-        .do_get(Ticket::new(envelope.encode_to_vec()))
-        .await
-        .unwrap()
-        .into_inner();
-    let mut metrics = None;
-    let mut messages = Vec::new();
-    let mut stream = stream;
-    while let Some(message) = stream.next().await {
-        let message = message.unwrap();
-        if message.data_header.is_empty() && !message.app_metadata.is_empty() {
-            if let Ok(SliceMessage {
-                kind: Some(SliceMessageKind::Metrics(found)),
-            }) = SliceMessage::decode(message.app_metadata.as_ref())
-            {
-                metrics = Some(found);
-                continue;
-            }
-        }
-        messages.push(Ok(message));
-    }
+    let (messages, metrics) = slices::slice_messages(client, envelope.encode_to_vec()).await;
     let batches: Vec<_> = arrow_flight::decode::FlightRecordBatchStream::new_from_flight_data(
-        futures::stream::iter(messages),
+        futures::stream::iter(messages.into_iter().map(Ok)),
     )
     .map(|batch| batch.unwrap())
     .collect()
     .await;
-    let rows = batches.iter().map(|batch| batch.num_rows()).sum();
-    (rows, metrics.expect("a metrics trailer"))
+    (batches.iter().map(|batch| batch.num_rows()).sum(), metrics)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

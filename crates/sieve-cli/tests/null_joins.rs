@@ -148,6 +148,9 @@ const QUERIES: &[&str] = &[
     "SELECT count(*), sum(a.v) FROM a JOIN b ON a.id = b.id JOIN (SELECT * FROM c WHERE v < 10) x ON a.k = x.k AND b.k2 = x.k2",
     "SELECT count(*), count(b.k) FROM a LEFT JOIN b ON a.id = b.id JOIN (SELECT * FROM c WHERE v < 10) x ON b.k IS NOT DISTINCT FROM x.k",
     "SELECT count(*) FROM a JOIN b ON a.k = b.k JOIN (SELECT * FROM c WHERE v < 5) x ON b.k2 = x.k2 AND a.v = x.v",
+    // ... and over an empty build side, and one of NULL keys only.
+    "SELECT count(*) FROM a JOIN b ON a.id = b.id JOIN (SELECT * FROM c WHERE v < 0) x ON a.k = x.k AND b.k2 = x.k2",
+    "SELECT count(*), count(a.k) FROM a JOIN b ON a.id = b.id JOIN (SELECT * FROM a WHERE k IS NULL AND v < 50) x ON (a.k IS NOT DISTINCT FROM x.k) AND (b.k2 IS NOT DISTINCT FROM x.k2)",
     // A recursive CTE whose recursive term joins a Sieve scan: the term runs
     // again for every iteration, and its join filter with it.
     "WITH RECURSIVE r(k, depth) AS ( \

@@ -262,19 +262,17 @@ async fn resolve_key_slot(
     let Some(arrays) = columns.get(slot.position) else {
         return Ok((vec![], "none (no such key)".into()));
     };
-    let (mut low, mut high) = (None::<ScalarValue>, None::<ScalarValue>);
-    for array in arrays {
-        let mut min = MinAccumulator::try_new(array.data_type())?;
-        let mut max = MaxAccumulator::try_new(array.data_type())?;
-        min.update_batch(std::slice::from_ref(array))?;
-        max.update_batch(std::slice::from_ref(array))?;
-        let (min, max) = (min.evaluate()?, max.evaluate()?);
-        if !min.is_null() && low.as_ref().is_none_or(|low| min < *low) {
-            low = Some(min);
+    // The key range, NULLs left out (DataFusion's own MIN and MAX).
+    let (mut low, mut high) = (None, None);
+    if let Some(first) = arrays.first() {
+        let mut min = MinAccumulator::try_new(first.data_type())?;
+        let mut max = MaxAccumulator::try_new(first.data_type())?;
+        for array in arrays {
+            min.update_batch(std::slice::from_ref(array))?;
+            max.update_batch(std::slice::from_ref(array))?;
         }
-        if !max.is_null() && high.as_ref().is_none_or(|high| max > *high) {
-            high = Some(max);
-        }
+        low = Some(min.evaluate()?).filter(|value| !value.is_null());
+        high = Some(max.evaluate()?).filter(|value| !value.is_null());
     }
     let values = match (low, high) {
         (Some(low), Some(high)) => Values::Within {
