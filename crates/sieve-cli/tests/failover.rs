@@ -189,3 +189,52 @@ async fn a_hung_node_times_out_and_its_slices_move_to_a_replica() {
         assert_eq!(rows_as_text(&actual, !is_ordered(sql)).unwrap(), expected);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_node_that_keeps_working_is_not_taken_for_a_hung_one() {
+    let root = test_data(1);
+    let reference = reference_context(&root, NODES).await.unwrap();
+    let (cluster, session) = start(&root).await;
+    set(&session, "sieve.storage_timeout_ms = 1000").await;
+    // Q1's aggregation runs on the nodes and emits only at the end of a
+    // slice. A slice is 5 row groups, each read taking 250 ms more: every
+    // slice processed on a node is silent for longer than the timeout,
+    // but its heartbeats say it is working.
+    for node in &cluster.nodes {
+        node.faults().pace_reads(Duration::from_millis(250));
+    }
+    let sql = query("q1");
+    let expected = rows_as_text(&run(&reference, sql).await.unwrap(), !is_ordered(sql)).unwrap();
+    let started = Instant::now();
+    let actual = tokio::time::timeout(Duration::from_secs(120), run(&session.context, sql))
+        .await
+        .expect("no hang")
+        .unwrap_or_else(|error| panic!("q1 on slow nodes: {error}"));
+    eprintln!("q1 on slow nodes: {:?}", started.elapsed());
+    assert_eq!(rows_as_text(&actual, !is_ordered(sql)).unwrap(), expected);
+    let processed: u64 = cluster
+        .nodes
+        .iter()
+        .map(|node| {
+            node.executor()
+                .counters()
+                .slices_served
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .sum();
+    assert!(processed > 0, "some slices were processed on the nodes");
+
+    // A node whose reads stand still longer than the timeout sends no
+    // heartbeat: it is taken for hung, and without a replica the query
+    // fails with a clear error.
+    for node in &cluster.nodes {
+        node.faults().pace_reads(Duration::from_millis(3000));
+    }
+    let outcome = tokio::time::timeout(Duration::from_secs(120), run(&session.context, sql))
+        .await
+        .expect("no hang");
+    let error = outcome
+        .expect_err("nodes that stand still fail the query")
+        .to_string();
+    assert!(error.contains("within 1000 ms"), "{error}");
+}

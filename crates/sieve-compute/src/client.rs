@@ -489,6 +489,11 @@ impl StorageClient {
                         "raw pages before the raw slice head".to_string(),
                     )),
                 },
+                // The node is still working on the slice: its arrival
+                // reset the silence timeout, nothing more to do.
+                Ok(SliceMessage {
+                    kind: Some(SliceMessageKind::Heartbeat(_)),
+                }) => Ok(None),
                 Ok(SliceMessage { kind: None }) => Err(FlightError::DecodeError(
                     "slice message of an unknown kind".to_string(),
                 )),

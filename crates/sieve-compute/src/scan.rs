@@ -1114,6 +1114,9 @@ impl SieveScanExec {
                 Arc::new(move |node, started| parallelism.request(node, started))
             },
         };
+        // A node working on a slice without output (a pushed aggregation)
+        // says so four times per silence timeout.
+        let heartbeat = self.failover.timeout / 4;
         // A raw slice is completed here with the fragment the nodes got,
         // decoded once per partition.
         let completion = RawCompletion {
@@ -1143,7 +1146,8 @@ impl SieveScanExec {
                             body.body.as_ref().clone(),
                         )
                         .with_row_groups(unit.row_groups)
-                        .with_ipc_codec(ipc_codec);
+                        .with_ipc_codec(ipc_codec)
+                        .with_heartbeat(heartbeat);
                         if let Some(filter) = &body.join_filter {
                             envelope = envelope.with_join_filter(&filter.id);
                         }

@@ -59,7 +59,19 @@ pub struct FragmentEnvelope {
     /// predicate; empty for none.
     #[prost(bytes = "vec", tag = "7")]
     pub join_filter: Vec<u8>,
+    /// While the fragment runs without output (a pushed aggregation emits
+    /// only at the end of its slice), the node sends a
+    /// [`SliceMessageKind::Heartbeat`] after every this many milliseconds
+    /// without a message in which the fragment made progress, so that a
+    /// long slice is not taken for a hung node. 0: no heartbeats; values
+    /// under [`HEARTBEAT_MS_MIN`] count as that.
+    #[prost(uint32, tag = "8")]
+    pub heartbeat_ms: u32,
 }
+
+/// The shortest heartbeat interval a storage node honours, in milliseconds:
+/// a request cannot make a node send messages faster than this.
+pub const HEARTBEAT_MS_MIN: u32 = 50;
 
 /// Codec of the Arrow IPC buffers a storage node ships. Compression trades
 /// CPU on both ends for bytes on the link: zstd is worth its CPU on a
@@ -203,13 +215,13 @@ pub struct SliceMetrics {
 /// Flight message's `app_metadata`, with an empty data header.
 ///
 /// ```text
-///   processed:  [IPC schema] [IPC batch]* Metrics
+///   processed:  [IPC schema] [IPC batch]* Metrics   (Heartbeats in between)
 ///   raw:        Raw (footer, ranges) RawChunk* Metrics
 /// ```
 #[derive(Clone, PartialEq, Message)]
 pub struct SliceMessage {
     /// What the message is.
-    #[prost(oneof = "SliceMessageKind", tags = "1, 2, 3")]
+    #[prost(oneof = "SliceMessageKind", tags = "1, 2, 3, 4")]
     pub kind: Option<SliceMessageKind>,
 }
 
@@ -226,6 +238,11 @@ pub enum SliceMessageKind {
     /// Flight message's body.
     #[prost(uint64, tag = "3")]
     RawChunk(u64),
+    /// The fragment is still running and has made progress since the last
+    /// message (the value: the node's count of its work so far, opaque).
+    /// Sent only when the request asked for heartbeats.
+    #[prost(uint64, tag = "4")]
+    Heartbeat(u64),
 }
 
 /// The head of a raw slice: enough for the compute node to decode the pages
@@ -354,7 +371,23 @@ impl FragmentEnvelope {
             row_groups: vec![],
             ipc_codec: IpcCodec::Auto.wire(),
             join_filter: vec![],
+            heartbeat_ms: 0,
         }
+    }
+
+    /// This envelope asking for heartbeats every `interval` while the
+    /// fragment runs without output (see [`FragmentEnvelope::heartbeat_ms`]).
+    pub fn with_heartbeat(mut self, interval: std::time::Duration) -> Self {
+        self.heartbeat_ms = (interval.as_millis().min(u128::from(u32::MAX)) as u32).max(1);
+        self
+    }
+
+    /// The heartbeat interval this envelope asks for, bounded below by
+    /// [`HEARTBEAT_MS_MIN`]; `None` for none.
+    pub fn heartbeat_interval(&self) -> Option<std::time::Duration> {
+        (self.heartbeat_ms > 0).then(|| {
+            std::time::Duration::from_millis(u64::from(self.heartbeat_ms.max(HEARTBEAT_MS_MIN)))
+        })
     }
 
     /// This envelope applying the registered join filter `id`.

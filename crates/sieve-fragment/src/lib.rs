@@ -56,6 +56,7 @@ pub use codec::{SieveCodec, SliceInputExec};
 pub use envelope::{
     schema_fingerprint, ByteRange, DecodedBody, Fragment, FragmentBody, FragmentEnvelope, IpcCodec,
     RawSlice, SliceMessage, SliceMessageKind, SliceMetrics, FRAGMENT_BYTES_MAX, FRAGMENT_VERSION,
+    HEARTBEAT_MS_MIN,
 };
 pub use errors::{
     classify_error, DataError, ErrorKind, CORRUPT_FILE_METADATA, CORRUPT_SLICE_KIND,

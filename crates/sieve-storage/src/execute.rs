@@ -35,6 +35,7 @@ use sieve_fragment::{
 };
 
 use crate::cpu::thread_cpu_nanos;
+use crate::faults::Faults;
 use crate::join_filters::JoinFilterRegistry;
 use crate::reader::SliceReaderFactory;
 use crate::{MatchHints, NodeCatalog};
@@ -117,6 +118,7 @@ pub struct SliceExecutor {
     fragments_decoded: AtomicU64,
     counters: NodeCounters,
     join_filters: JoinFilterRegistry,
+    faults: Arc<Faults>,
 }
 
 /// A storage node's running totals, for the `stats` Flight action: what a
@@ -190,7 +192,15 @@ impl SliceExecutor {
             fragments_decoded: AtomicU64::new(0),
             counters: NodeCounters::default(),
             join_filters: JoinFilterRegistry::default(),
+            faults: Arc::new(Faults::new()),
         }
+    }
+
+    /// This executor with the fault switch of its node (see
+    /// [`Faults::pace_reads`]).
+    pub fn with_faults(mut self, faults: Arc<Faults>) -> Self {
+        self.faults = faults;
+        self
     }
 
     /// The join filters registered on this node.
@@ -301,6 +311,7 @@ impl SliceExecutor {
                 reader_factory: Arc::new(SliceReaderFactory {
                     store: Arc::clone(&self.store),
                     slice: Arc::clone(&slice),
+                    faults: Arc::clone(&self.faults),
                 }),
                 store_url: ObjectStoreUrl::local_filesystem(),
                 location: slice.object_path.to_string(),
@@ -470,6 +481,11 @@ impl SliceStream {
         Arc::clone(&self.schema)
     }
 
+    /// The plan the slice runs through, whose metrics move as it works.
+    pub fn plan(&self) -> Arc<dyn ExecutionPlan> {
+        Arc::clone(&self.plan)
+    }
+
     /// Record how the request was admitted to the pushdown pool.
     pub fn set_admission(&mut self, admission: Admitted) {
         self.admission = admission;
@@ -548,6 +564,23 @@ pub(crate) fn wanted_row_groups(
         );
     }
     Ok(wanted)
+}
+
+/// A count of the work `plan` has done so far: the sum of every metric of
+/// every operator (rows, bytes, batches, time). It moves while the plan
+/// works and stands still while it is stuck.
+pub(crate) fn work_done(plan: &Arc<dyn ExecutionPlan>) -> u64 {
+    let own = plan
+        .metrics()
+        .map(|metrics| {
+            metrics.iter().fold(0u64, |sum, metric| {
+                sum.wrapping_add(metric.value().as_usize() as u64)
+            })
+        })
+        .unwrap_or(0);
+    plan.children()
+        .iter()
+        .fold(own, |sum, child| sum.wrapping_add(work_done(child)))
 }
 
 fn collect_metric(plan: &Arc<dyn ExecutionPlan>, name: &str) -> usize {

@@ -8,6 +8,9 @@
 //! - **frozen**: every connection stops moving bytes without closing, as a
 //!   hung host does; only a client's timeout notices.
 //!
+//! `pace_reads(d)` makes every page read of a fragment take `d` longer, as a
+//! slow or overloaded disk does: the node works, slowly.
+//!
 //! `kill_after_messages(n)` throws the kill switch from inside the node after
 //! it has sent `n` more data messages (Flight data messages and byte-range
 //! responses), so a test can kill a node in the middle of a slice stream or
@@ -15,7 +18,7 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicI64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
 
@@ -34,6 +37,8 @@ pub struct Faults {
     state: AtomicU8,
     /// Data messages left before the node kills itself; negative: never.
     messages_left: AtomicI64,
+    /// Extra time each page read of a fragment takes, in microseconds.
+    read_pace_micros: AtomicU64,
     connections: Mutex<Vec<Weak<Wakers>>>,
     on_kill: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
 }
@@ -92,6 +97,22 @@ impl Faults {
     pub fn kill_after_messages(&self, messages: u64) {
         self.messages_left
             .store(messages.min(i64::MAX as u64) as i64, Ordering::SeqCst);
+    }
+
+    /// Make every page read of a fragment take `delay` longer (zero: none).
+    pub fn pace_reads(&self, delay: std::time::Duration) {
+        self.read_pace_micros.store(
+            delay.as_micros().min(u128::from(u64::MAX)) as u64,
+            Ordering::SeqCst,
+        );
+    }
+
+    /// Wait out the read pace, if any.
+    pub(crate) async fn pace_read(&self) {
+        let micros = self.read_pace_micros.load(Ordering::Relaxed);
+        if micros > 0 {
+            tokio::time::sleep(std::time::Duration::from_micros(micros)).await;
+        }
     }
 
     /// Count one data message sent; kills the node when the count runs out.

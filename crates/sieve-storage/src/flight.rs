@@ -21,7 +21,8 @@
 
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use arrow::ipc::writer::IpcWriteOptions;
 use arrow_flight::encode::FlightDataEncoderBuilder;
@@ -32,6 +33,7 @@ use arrow_flight::{
     HandshakeRequest, HandshakeResponse, PollInfo, PutResult, SchemaResult, Ticket,
 };
 use datafusion::common::DataFusionError;
+use datafusion::physical_plan::ExecutionPlan;
 use futures::stream;
 use futures::{FutureExt, Stream, StreamExt};
 use prost::Message;
@@ -42,7 +44,7 @@ use sieve_fragment::{
 };
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::execute::Admitted;
+use crate::execute::{work_done, Admitted};
 use crate::faults::Faults;
 use crate::pool::{Admission, PushdownPool};
 use crate::raw::{plan_raw, raw_stream};
@@ -299,65 +301,92 @@ impl FlightService for StorageFlightService {
             let body = self.executor.body_for(&envelope).map_err(to_status)?;
             Ok((envelope, codec, adaptive, slice, body))
         })?;
-        match self.pool.admit().await {
-            Admission::Raw(reason) => {
-                let plan = guarded("planning a raw slice", || {
-                    plan_raw(&slice, &envelope, &body, reason).map_err(to_status)
-                })?;
-                let faults = Arc::clone(&self.faults);
-                let stream =
-                    raw_stream(slice, plan, Arc::clone(&self.executor)).inspect(move |message| {
-                        if message.is_ok() {
-                            faults.message_sent();
+        // The response goes back at once; the request then waits for a
+        // pushdown worker (at most the node's `pushdown_wait`) and runs,
+        // or is served raw. Its messages, and heartbeats while it waits or
+        // works without output, flow through one channel.
+        let (sender, receiver) = tokio::sync::mpsc::channel::<Result<FlightData, Status>>(2);
+        let progress = Arc::new(Progress::default());
+        let interval = envelope.heartbeat_interval();
+        let (pool, executor, faults) = (
+            Arc::clone(&self.pool),
+            Arc::clone(&self.executor),
+            Arc::clone(&self.faults),
+        );
+        let compression = codec.resolve(loopback);
+        let serving = Arc::clone(&progress);
+        tokio::spawn(async move {
+            let admission = tokio::select! {
+                // A client gone while queued frees its place in the queue.
+                _ = sender.closed() => return,
+                admission = pool.admit() => admission,
+            };
+            serving.admitted();
+            match admission {
+                Admission::Raw(reason) => {
+                    let plan = match guarded("planning a raw slice", || {
+                        plan_raw(&slice, &envelope, &body, reason).map_err(to_status)
+                    }) {
+                        Ok(plan) => plan,
+                        Err(status) => {
+                            let _ = sender.send(Err(status)).await;
+                            return;
                         }
+                    };
+                    let stream = raw_stream(slice, plan, executor);
+                    // A panic while reading pages ends the stream with an
+                    // error (a stream that panicked is not polled again).
+                    let mut stream = AssertUnwindSafe(stream).catch_unwind().map(|polled| {
+                        polled.unwrap_or_else(|_| {
+                            Err(Status::internal(
+                                "storage node failed while serving a raw slice (panic caught)",
+                            ))
+                        })
                     });
-                // A panic while reading pages ends the stream with an error
-                // (a stream that panicked is not polled again).
-                let stream = AssertUnwindSafe(stream).catch_unwind().map(|polled| {
-                    polled.unwrap_or_else(|_| {
-                        Err(Status::internal(
-                            "storage node failed while serving a raw slice (panic caught)",
-                        ))
-                    })
-                });
-                Ok(Response::new(Box::pin(stream)))
-            }
-            Admission::Run(worker, admitted) => {
-                let (sender, receiver) =
-                    tokio::sync::mpsc::channel::<Result<FlightData, Status>>(2);
-                let work = process(
-                    Arc::clone(&self.executor),
-                    ticket,
-                    codec.resolve(loopback),
-                    adaptive,
-                    admitted,
-                    sender.clone(),
-                    Arc::clone(&self.faults),
-                );
-                self.pool.spawn(async move {
-                    let _worker = worker;
-                    // The work stops when its client goes away: the response
-                    // stream, and with it the receiver, is dropped.
-                    let gone = sender.clone();
-                    tokio::select! {
-                        _ = gone.closed() => {}
-                        finished = AssertUnwindSafe(work).catch_unwind() => {
-                            if finished.is_err() {
-                                let _ = sender
-                                    .send(Err(Status::internal(
-                                        "storage node failed while executing the fragment (panic caught)",
-                                    )))
-                                    .await;
+                    while let Some(message) = stream.next().await {
+                        let failed = message.is_err();
+                        if sender.send(message).await.is_err() || failed {
+                            return;
+                        }
+                        faults.message_sent();
+                    }
+                }
+                Admission::Run(worker, admitted) => {
+                    let work = process(
+                        executor,
+                        ticket,
+                        compression,
+                        adaptive,
+                        admitted,
+                        sender.clone(),
+                        faults,
+                        serving,
+                    );
+                    pool.spawn(async move {
+                        let _worker = worker;
+                        // The work stops when its client goes away: the
+                        // response stream, and with it the receiver, is
+                        // dropped.
+                        let gone = sender.clone();
+                        tokio::select! {
+                            _ = gone.closed() => {}
+                            finished = AssertUnwindSafe(work).catch_unwind() => {
+                                if finished.is_err() {
+                                    let _ = sender
+                                        .send(Err(Status::internal(
+                                            "storage node failed while executing the fragment (panic caught)",
+                                        )))
+                                        .await;
+                                }
                             }
                         }
-                    }
-                });
-                let output = futures::stream::unfold(receiver, |mut receiver| async move {
-                    receiver.recv().await.map(|message| (message, receiver))
-                });
-                Ok(Response::new(Box::pin(output)))
+                    });
+                }
             }
-        }
+        });
+        Ok(Response::new(Box::pin(with_heartbeats(
+            receiver, interval, progress,
+        ))))
     }
 
     async fn do_put(
@@ -462,9 +491,78 @@ impl FlightService for StorageFlightService {
     }
 }
 
+/// Where a slice request is, for its heartbeats: waiting for a pushdown
+/// worker, or running through a plan (set by [`process`]).
+#[derive(Default)]
+struct Progress {
+    admitted: std::sync::atomic::AtomicBool,
+    plan: OnceLock<Arc<dyn ExecutionPlan>>,
+}
+
+impl Progress {
+    fn admitted(&self) {
+        self.admitted
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether the request is still waiting for a worker (a wait bounded
+    /// by the node's `pushdown_wait`).
+    fn queued(&self) -> bool {
+        !self.admitted.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The work its plan has done so far, once it runs.
+    fn work(&self) -> Option<u64> {
+        self.plan.get().map(work_done)
+    }
+}
+
+/// The messages of a slice request, with a [`SliceMessageKind::Heartbeat`]
+/// after each `interval` without a message in which the request was still
+/// queued or its fragment made progress (its plan's metrics moved). A
+/// fragment that stands still, or a raw read that does, sends nothing, so
+/// the client's silence timeout still finds a stuck node.
+fn with_heartbeats(
+    receiver: tokio::sync::mpsc::Receiver<Result<FlightData, Status>>,
+    interval: Option<Duration>,
+    progress: Arc<Progress>,
+) -> impl Stream<Item = Result<FlightData, Status>> + Send + 'static {
+    futures::stream::unfold((receiver, None::<u64>), move |(mut receiver, mut last)| {
+        let progress = Arc::clone(&progress);
+        async move {
+            let Some(interval) = interval else {
+                return receiver
+                    .recv()
+                    .await
+                    .map(|message| (message, (receiver, last)));
+            };
+            loop {
+                match tokio::time::timeout(interval, receiver.recv()).await {
+                    Ok(message) => return message.map(|message| (message, (receiver, last))),
+                    Err(_) => {
+                        let work = progress.work();
+                        let moved = work.is_some() && work != last;
+                        if !(progress.queued() || moved) {
+                            continue;
+                        }
+                        last = work;
+                        let heartbeat = SliceMessage {
+                            kind: Some(SliceMessageKind::Heartbeat(work.unwrap_or(0))),
+                        };
+                        let message =
+                            FlightData::new().with_app_metadata(heartbeat.encode_to_vec());
+                        return Some((Ok(message), (receiver, last)));
+                    }
+                }
+            }
+        }
+    })
+}
+
 /// Run one fragment on a pushdown worker and send its Flight messages
 /// (IPC schema and batches, then the metrics) to `sender`. Stops as soon as
 /// the client is gone.
+#[allow(clippy::too_many_arguments)]
 async fn process(
     executor: Arc<SliceExecutor>,
     ticket: bytes::Bytes,
@@ -473,6 +571,7 @@ async fn process(
     admitted: Admitted,
     sender: tokio::sync::mpsc::Sender<Result<FlightData, Status>>,
     faults: Arc<Faults>,
+    progress: Arc<Progress>,
 ) {
     let mut slice_stream = match executor.execute(&ticket).await {
         Ok(stream) => stream,
@@ -481,6 +580,7 @@ async fn process(
             return;
         }
     };
+    let _ = progress.plan.set(slice_stream.plan());
     slice_stream.set_admission(admitted);
     let schema = slice_stream.schema();
     let metrics_slot: Arc<Mutex<Option<SliceMetrics>>> = Arc::new(Mutex::new(None));

@@ -60,7 +60,10 @@ impl StorageNode {
     /// Open the catalog and start serving. Must be called inside a Tokio runtime.
     pub async fn start(config: StorageNodeConfig) -> Result<Self> {
         let catalog = Arc::new(NodeCatalog::open(&config.data_directory)?);
-        let executor = Arc::new(SliceExecutor::new(catalog, config.execute.clone()));
+        let faults = Arc::new(Faults::new());
+        let executor = Arc::new(
+            SliceExecutor::new(catalog, config.execute.clone()).with_faults(Arc::clone(&faults)),
+        );
         let io = |error: std::io::Error| DataFusionError::External(Box::new(error));
         let pool = Arc::new(
             PushdownPool::new(
@@ -70,7 +73,6 @@ impl StorageNode {
             )
             .map_err(io)?,
         );
-        let faults = Arc::new(Faults::new());
         let flight_listener = TcpListener::bind(config.flight_address).await.map_err(io)?;
         let range_listener = TcpListener::bind(config.range_address).await.map_err(io)?;
         let flight_address = flight_listener.local_addr().map_err(io)?;

@@ -93,8 +93,16 @@ impl PushdownPool {
         if let Ok(permit) = Arc::clone(&self.slots).try_acquire_owned() {
             return Admission::Run(self.slot(permit), self.admitted(Duration::ZERO));
         }
+        // Counted while queued, also when the request is dropped (its client
+        // went away) before it gets a worker.
+        struct Queued<'a>(&'a AtomicUsize);
+        impl Drop for Queued<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        let queued = Queued(&self.waiting);
         if self.waiting.fetch_add(1, Ordering::Relaxed) >= self.queue_max {
-            self.waiting.fetch_sub(1, Ordering::Relaxed);
             return Admission::Raw(format!(
                 "the pushdown queue is full ({} waiting)",
                 self.queue_max
@@ -103,7 +111,7 @@ impl PushdownPool {
         let started = Instant::now();
         let acquired =
             tokio::time::timeout(self.wait, Arc::clone(&self.slots).acquire_owned()).await;
-        self.waiting.fetch_sub(1, Ordering::Relaxed);
+        drop(queued);
         match acquired {
             Ok(Ok(permit)) => Admission::Run(self.slot(permit), self.admitted(started.elapsed())),
             Ok(Err(_)) => Admission::Raw("the pushdown pool is shut down".to_string()),

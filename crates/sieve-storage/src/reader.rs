@@ -20,6 +20,7 @@ use parquet::arrow::async_reader::AsyncFileReader;
 use parquet::errors::ParquetError;
 use parquet::file::metadata::ParquetMetaData;
 
+use crate::faults::Faults;
 use crate::CatalogSlice;
 
 /// Creates readers for one slice, sharing its cached metadata.
@@ -27,6 +28,7 @@ use crate::CatalogSlice;
 pub(crate) struct SliceReaderFactory {
     pub(crate) store: Arc<dyn ObjectStore>,
     pub(crate) slice: Arc<CatalogSlice>,
+    pub(crate) faults: Arc<Faults>,
 }
 
 impl ParquetFileReaderFactory for SliceReaderFactory {
@@ -48,6 +50,7 @@ impl ParquetFileReaderFactory for SliceReaderFactory {
             location: partitioned_file.object_meta.location,
             metadata: Arc::clone(&self.slice.metadata),
             slice: Arc::clone(&self.slice),
+            faults: Arc::clone(&self.faults),
         }))
     }
 }
@@ -58,12 +61,14 @@ struct SliceReader {
     location: object_store::path::Path,
     metadata: Arc<ParquetMetaData>,
     slice: Arc<CatalogSlice>,
+    faults: Arc<Faults>,
 }
 
 impl SliceReader {
     /// Read `ranges`, each widened to the whole pages it touches, verify
     /// every page read, and cut the answers back to the ranges asked for.
     async fn read_checked(&self, ranges: Vec<Range<u64>>) -> parquet::errors::Result<Vec<Bytes>> {
+        self.faults.pace_read().await;
         let widened: Vec<Range<u64>> = ranges
             .iter()
             .map(|range| self.slice.widen(range.clone()))

@@ -1448,7 +1448,12 @@ fn envelope_for(
 ) -> FragmentEnvelope {
     let table = &view.tables[table];
     let slice = table.slices[random.below(table.slices.len())].0;
-    FragmentEnvelope::new(table.name.clone(), slice, body)
+    let mut envelope = FragmentEnvelope::new(table.name.clone(), slice, body);
+    // Sometimes heartbeats, at any interval (the node bounds it below).
+    if random.below(4) == 0 {
+        envelope.heartbeat_ms = random.below(100) as u32;
+    }
+    envelope
 }
 
 fn mutated(random: &mut SeededRandom, view: &NodeView, pool: &Pool) -> Generated {
