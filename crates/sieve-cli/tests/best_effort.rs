@@ -390,3 +390,75 @@ async fn parallelism_on_three_levels_is_in_the_scan_metrics() {
         "a storage node's own parallelism: {metrics:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_that_pause_do_not_starve_another_slice_stream_on_the_same_connection() {
+    // Three whole-lineitem streams (megabytes each) that are started and
+    // then not read, as a hash join's probe side waits for its build side;
+    // a fourth stream over the same connection must still flow.
+    let root = one_big_slice_data();
+    // Workers enough for every stream: a paused stream holds its worker.
+    let cluster = EmbeddedCluster::start_with(
+        &root,
+        1,
+        ExecuteOptions {
+            pushdown_workers: 8,
+            ..ExecuteOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let url = cluster.urls()[0].clone();
+    let client = sieve_compute::StorageClient::connect(&url, Some(cluster.secret()))
+        .await
+        .unwrap();
+    let schema = Arc::clone(
+        &cluster.nodes[0]
+            .executor()
+            .catalog()
+            .table("lineitem")
+            .unwrap()
+            .schema,
+    );
+    let traffic = Arc::new(sieve_compute::Traffic::default());
+    let timeout = Duration::from_secs(5);
+    let mut paused = Vec::new();
+    for _ in 0..3 {
+        let mut stream = client.stream_slice(
+            whole_slice_ticket(&schema, "lineitem"),
+            Arc::clone(&traffic),
+            timeout,
+        );
+        let first = stream.next().await;
+        assert!(
+            matches!(first, Some(Ok(sieve_compute::SlicePart::Batch(_)))),
+            "the slice was not processed"
+        );
+        paused.push(stream);
+    }
+    // Let the paused streams fill their windows.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = Instant::now();
+    let mut stream = client.stream_slice(
+        whole_slice_ticket(&schema, "lineitem"),
+        Arc::clone(&traffic),
+        timeout,
+    );
+    let mut rows = 0;
+    let mut done = false;
+    while let Some(part) = stream.next().await {
+        match part.unwrap_or_else(|error| {
+            panic!(
+                "the fourth stream failed after {:?}: {error}",
+                started.elapsed()
+            )
+        }) {
+            sieve_compute::SlicePart::Batch(batch) => rows += batch.num_rows(),
+            sieve_compute::SlicePart::Done { .. } => done = true,
+            _ => {}
+        }
+    }
+    assert!(done, "the fourth stream ended without its trailer");
+    assert_eq!(rows, 60_175);
+    drop(paused);
+}

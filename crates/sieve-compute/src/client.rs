@@ -110,6 +110,20 @@ pub fn as_corrupt_replica(error: &DataFusionError) -> Option<&CorruptReplica> {
     }
 }
 
+/// HTTP/2 flow-control window of one slice stream: what a node may send
+/// ahead of a reader that is not reading (the bound on a slice's buffered
+/// bytes on this side).
+pub const SLICE_STREAM_WINDOW_BYTES: u32 = 2 * 1024 * 1024;
+
+/// HTTP/2 flow-control window of a whole connection to a node, shared by all
+/// its slice streams. hyper's default (5 MB) let three streams whose readers
+/// paused (a hash join's probe side while its build side runs) hold the
+/// whole window, so a fourth stream on the same connection, read eagerly,
+/// got nothing and was taken for a silent node (TPC-H Q15 at SF 100). The
+/// connection window is therefore no bound: each stream's window is
+/// ([`SLICE_STREAM_WINDOW_BYTES`] times the streams open).
+pub const CONNECTION_WINDOW_BYTES: u32 = (1 << 31) - 1;
+
 /// `stream`, failing with `error()` when no item comes within `timeout`.
 fn with_idle_timeout<T: Send + 'static, E: Send + 'static>(
     stream: impl futures::Stream<Item = std::result::Result<T, E>> + Send + 'static,
@@ -254,7 +268,9 @@ impl StorageClient {
             .map_err(|error| {
                 DataFusionError::Plan(format!("invalid storage node address '{url}': {error}"))
             })?
-            .tcp_nodelay(true))
+            .tcp_nodelay(true)
+            .initial_stream_window_size(SLICE_STREAM_WINDOW_BYTES)
+            .initial_connection_window_size(CONNECTION_WINDOW_BYTES))
     }
 
     fn over(url: &str, secret: Option<&Secret>, channel: Channel) -> Result<Self> {

@@ -52,7 +52,7 @@ pub use catalog::{
 };
 pub use client::{
     as_corrupt_replica, as_node_failure, AuthenticatedFlightClient, BearerAuth, CorruptReplica,
-    NodeFailure, SlicePart, StorageClient,
+    NodeFailure, SlicePart, StorageClient, CONNECTION_WINDOW_BYTES, SLICE_STREAM_WINDOW_BYTES,
 };
 pub use config::{NdpMode, SieveConfig};
 pub use deep::{
@@ -67,7 +67,7 @@ pub use range_store::{ClusterRangeStore, RANGE_REQUEST_TIMEOUT_MS};
 pub use scan::{PushedAggregate, ScanOptions, SieveScanExec};
 pub use session::{
     connect_session, connect_session_with_config, physical_rules_without_static_filter_pushdown,
-    SieveSession,
+    session_over, SieveSession,
 };
 pub use table::SieveTable;
 pub use traffic::{Traffic, TrafficSnapshot};

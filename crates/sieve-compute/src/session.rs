@@ -116,6 +116,20 @@ pub async fn connect_session_with_config(
     let sieve = SieveConfig::of(config.options());
     let catalog =
         Arc::new(ClusterCatalog::discover_with(urls, secret, sieve.discovery_settings()).await?);
+    let runtime = runtime_with_memory_limit(&RuntimeEnv::default(), "auto")?;
+    session_over(catalog, secret, config, runtime)
+}
+
+/// A new session over a cluster already discovered, drawing memory from
+/// `runtime`'s pool: what a server gives each of its connections, all
+/// sharing one catalog and one memory pool.
+pub fn session_over(
+    catalog: Arc<ClusterCatalog>,
+    secret: Option<&Secret>,
+    config: SessionConfig,
+    runtime: Arc<RuntimeEnv>,
+) -> Result<SieveSession> {
+    let sieve = SieveConfig::of(config.options());
     let traffic = Arc::new(Traffic::default());
     let range_timeout = Duration::from_millis(sieve.range_timeout_ms.max(1));
     let mut config = config
@@ -132,7 +146,6 @@ pub async fn connect_session_with_config(
     optimizer.enable_topk_dynamic_filter_pushdown = false;
     optimizer.enable_aggregate_dynamic_filter_pushdown = false;
     optimizer.enable_topk_aggregation = false;
-    let runtime = runtime_with_memory_limit(&RuntimeEnv::default(), "auto")?;
     let state = SessionStateBuilder::new()
         .with_config(config)
         .with_runtime_env(runtime)
