@@ -17,3 +17,4 @@ pub mod demo;
 pub mod fuzz;
 pub mod queries;
 pub mod secret;
+pub mod serve;

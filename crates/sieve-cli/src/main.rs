@@ -16,6 +16,7 @@ use sieve_cli::fuzz::{
     Family as RequestFamily, FuzzOptions, Mode as FuzzMode, RequestFuzzOptions, RequestTarget,
 };
 use sieve_cli::secret::{load_secret, SECRET_ENV};
+use sieve_cli::serve::{run_serve, ServeOptions};
 use sieve_compute::connect_session;
 use sieve_format::{generate_tpch, SliceLayout};
 use sieve_storage::{ExecuteOptions, StorageNode, StorageNodeConfig};
@@ -293,6 +294,51 @@ enum Command {
         /// SIEVE_SECRET; with neither, requests carry no credential.
         #[arg(long)]
         secret_file: Option<PathBuf>,
+    },
+    /// A long-lived compute node for clients: the PostgreSQL wire protocol
+    /// (psql, JDBC, psycopg), each connection its own session. Without
+    /// --cluster it starts the embedded cluster of the demo.
+    Serve {
+        /// Storage node Flight URLs, comma separated. Without it, the embedded
+        /// cluster of the demo is started.
+        #[arg(long, value_delimiter = ',')]
+        cluster: Vec<String>,
+        /// Scale factor of the embedded cluster's data.
+        #[arg(long, default_value_t = 0.1)]
+        sf: f64,
+        /// Data directory of the embedded cluster.
+        #[arg(long, default_value = "sieve-data")]
+        data: PathBuf,
+        /// File holding the storage nodes' shared secret (for --cluster);
+        /// else SIEVE_SECRET.
+        #[arg(long)]
+        secret_file: Option<PathBuf>,
+        /// Address of the PostgreSQL port.
+        #[arg(long, default_value = "127.0.0.1:5433")]
+        listen: SocketAddr,
+        /// The user who may log in.
+        #[arg(long, default_value = "sieve")]
+        user: String,
+        /// File holding the user's password; else SIEVE_PASSWORD; with
+        /// neither, one is made up and printed.
+        #[arg(long)]
+        password_file: Option<PathBuf>,
+        /// TLS certificate chain (PEM). With --tls-key, every connection must
+        /// use TLS; a certificate or key that cannot be used stops the server.
+        #[arg(long)]
+        tls_cert: Option<PathBuf>,
+        /// TLS private key (PEM: PKCS#8, PKCS#1 or SEC1).
+        #[arg(long)]
+        tls_key: Option<PathBuf>,
+        /// Serve plaintext on an address other than loopback.
+        #[arg(long)]
+        insecure_plaintext: bool,
+        /// Client connections served at once; more are refused (SQLSTATE 53300).
+        #[arg(long, default_value_t = sieve_server::CONNECTIONS_MAX_DEFAULT)]
+        connections_max: usize,
+        /// A setting every session starts with, e.g. --set sieve.ndp=off.
+        #[arg(long = "set")]
+        settings: Vec<String>,
     },
 }
 
@@ -622,6 +668,36 @@ async fn run(cli: Cli) -> Result<()> {
             };
             drop(embedded);
             result
+        }
+        Command::Serve {
+            cluster,
+            sf,
+            data,
+            secret_file,
+            listen,
+            user,
+            password_file,
+            tls_cert,
+            tls_key,
+            insecure_plaintext,
+            connections_max,
+            settings,
+        } => {
+            run_serve(ServeOptions {
+                cluster,
+                scale_factor: sf,
+                data_directory: data,
+                secret_file,
+                listen,
+                user,
+                password_file,
+                tls_cert,
+                tls_key,
+                insecure_plaintext,
+                connections_max,
+                settings,
+            })
+            .await
         }
     }
 }

@@ -1,0 +1,180 @@
+//! `sieve serve`: a long-lived compute node that clients reach over the
+//! PostgreSQL wire protocol (`sieve-server`). Without `--cluster` it starts
+//! the embedded cluster of the demo, data generated if missing.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use datafusion::common::{plan_err, DataFusionError, Result};
+use datafusion::execution::runtime_env::RuntimeEnv;
+use datafusion::prelude::SessionConfig;
+use sieve_compute::memory::runtime_with_memory_limit;
+use sieve_compute::{session_over, ClusterCatalog, SieveConfig};
+use sieve_server::{serve, tls_acceptor, PgServerOptions, SessionFactory, Users};
+
+use crate::cluster::EmbeddedCluster;
+use crate::demo::{ensure_data, DemoOptions};
+use crate::secret::load_secret;
+
+/// Environment variable holding the password of `--user` (when no
+/// `--password-file` is given).
+pub const PASSWORD_ENV: &str = "SIEVE_PASSWORD";
+
+/// Bytes of a password made up at start when none is given.
+const RANDOM_PASSWORD_BYTES: usize = 12;
+
+/// What `sieve serve` serves, and how.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// Storage node Flight URLs; empty: start the embedded cluster.
+    pub cluster: Vec<String>,
+    /// Scale factor of the embedded cluster's data.
+    pub scale_factor: f64,
+    /// Data directory of the embedded cluster.
+    pub data_directory: PathBuf,
+    /// The storage nodes' shared secret (for `cluster`).
+    pub secret_file: Option<PathBuf>,
+    /// Address of the PostgreSQL port.
+    pub listen: SocketAddr,
+    /// The user who may log in.
+    pub user: String,
+    /// File holding the user's password.
+    pub password_file: Option<PathBuf>,
+    /// TLS certificate chain and private key (PEM); with them, TLS is required.
+    pub tls_cert: Option<PathBuf>,
+    /// See `tls_cert`.
+    pub tls_key: Option<PathBuf>,
+    /// Allow plaintext on an address other than loopback.
+    pub insecure_plaintext: bool,
+    /// Client connections served at once.
+    pub connections_max: usize,
+    /// `key=value` settings every session starts with.
+    pub settings: Vec<String>,
+}
+
+/// Serve until interrupted (Ctrl-C).
+pub async fn run_serve(options: ServeOptions) -> Result<()> {
+    let tls = match (&options.tls_cert, &options.tls_key) {
+        (Some(cert), Some(key)) => Some(tls_acceptor(cert, key)?),
+        (None, None) => None,
+        _ => return plan_err!("--tls-cert and --tls-key go together"),
+    };
+    if tls.is_none() && !options.listen.ip().is_loopback() && !options.insecure_plaintext {
+        return plan_err!(
+            "{} is not a loopback address: without TLS, query results and login \
+             exchanges cross the network in the clear; give --tls-cert and \
+             --tls-key (or --insecure-plaintext)",
+            options.listen
+        );
+    }
+    let (password, made_up) = password(&options)?;
+    let users = Arc::new(Users::new([(options.user.clone(), password.clone())])?);
+
+    let mut embedded = None;
+    let mut secret = load_secret(options.secret_file.as_deref())?;
+    let urls = if options.cluster.is_empty() {
+        let demo = DemoOptions {
+            scale_factor: options.scale_factor,
+            nodes: 3,
+            replicas: 2,
+            runs: 1,
+            data_directory: options.data_directory.clone(),
+            queries: vec![],
+            cluster: vec![],
+            settings: vec![],
+        };
+        let root = ensure_data(&demo)?;
+        let started = EmbeddedCluster::start(&root, 3).await?;
+        let urls = started.urls();
+        secret = Some(started.secret().clone());
+        embedded = Some(started);
+        urls
+    } else {
+        options.cluster.clone()
+    };
+
+    // One discovery and one memory pool for every connection.
+    let base = SessionConfig::new().with_option_extension(SieveConfig::default());
+    let catalog = Arc::new(
+        ClusterCatalog::discover_with(
+            &urls,
+            secret.as_ref(),
+            SieveConfig::of(base.options()).discovery_settings(),
+        )
+        .await?,
+    );
+    let runtime = runtime_with_memory_limit(&RuntimeEnv::default(), "auto")?;
+    let settings = options.settings.clone();
+    let factory: SessionFactory = Arc::new(move || {
+        let session = session_over(
+            Arc::clone(&catalog),
+            secret.as_ref(),
+            SessionConfig::new(),
+            Arc::clone(&runtime),
+        )?;
+        session.apply_settings(&settings)?;
+        Ok(session.context)
+    });
+    // A bad --set is an error now, not at the first connection.
+    factory()?;
+
+    let listener = tokio::net::TcpListener::bind(options.listen)
+        .await
+        .map_err(|error| {
+            DataFusionError::Execution(format!("cannot listen on {}: {error}", options.listen))
+        })?;
+    let address = listener
+        .local_addr()
+        .map_err(|error| DataFusionError::External(Box::new(error)))?;
+    let sslmode = if tls.is_some() { "require" } else { "disable" };
+    println!(
+        "PostgreSQL protocol: listening on {address} ({}), user '{}'",
+        if tls.is_some() {
+            "TLS required"
+        } else {
+            "plaintext"
+        },
+        options.user
+    );
+    println!(
+        "  connect: psql \"postgresql://{}@{address}/sieve?sslmode={sslmode}\"",
+        options.user
+    );
+    if made_up {
+        println!(
+            "  password (made up for this run; set one with --password-file or {PASSWORD_ENV}): {password}"
+        );
+    }
+    let pg = PgServerOptions {
+        users,
+        tls,
+        connections_max: options.connections_max.max(1),
+    };
+    let stop = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    serve(listener, factory, pg, stop)
+        .await
+        .map_err(|error| DataFusionError::External(Box::new(error)))?;
+    drop(embedded);
+    Ok(())
+}
+
+/// The user's password (from the file, the environment, or made up), and
+/// whether it was made up.
+fn password(options: &ServeOptions) -> Result<(String, bool)> {
+    if let Some(file) = &options.password_file {
+        let text = std::fs::read_to_string(file).map_err(|error| {
+            DataFusionError::Execution(format!("password file {}: {error}", file.display()))
+        })?;
+        return Ok((text.trim_end_matches(['\n', '\r']).to_string(), false));
+    }
+    match std::env::var(PASSWORD_ENV) {
+        Ok(password) => Ok((password, false)),
+        Err(std::env::VarError::NotPresent) => {
+            Ok((Users::random_password(RANDOM_PASSWORD_BYTES)?, true))
+        }
+        Err(error) => plan_err!("{PASSWORD_ENV}: {error}"),
+    }
+}
