@@ -333,6 +333,14 @@ async fn plan_setting(
         .map_err(api_error)
 }
 
+/// The answer to `SHOW sieve.x`: its value now.
+async fn answer_show(context: &SessionContext, name: &str) -> PgWireResult<Response> {
+    let frame = show_sieve_setting(context, name)?;
+    Ok(Response::Query(
+        encode_dataframe(frame, &Format::UnifiedText, None).await?,
+    ))
+}
+
 /// The name of the `sieve.*` setting `statement` shows, if it shows one.
 /// DataFusion's own SHOW knows only `datafusion.*`: it looks extension
 /// settings up without their prefix.
@@ -390,12 +398,7 @@ impl QueryHook for NamespacedSettings {
             return None;
         }
         if let Some(name) = sieve_setting_shown(statement) {
-            return Some(match show_sieve_setting(context, &name) {
-                Ok(frame) => encode_dataframe(frame, &Format::UnifiedText, None)
-                    .await
-                    .map(Response::Query),
-                Err(error) => Err(error),
-            });
+            return Some(answer_show(context, &name).await);
         }
         Some(match plan_setting(context, statement).await {
             Ok(plan) => run_setting(context, plan).await,
@@ -428,12 +431,7 @@ impl QueryHook for NamespacedSettings {
         }
         // A SHOW answers with the value now, not the one at parse time.
         if let Some(name) = sieve_setting_shown(statement) {
-            return Some(match show_sieve_setting(context, &name) {
-                Ok(frame) => encode_dataframe(frame, &Format::UnifiedText, None)
-                    .await
-                    .map(Response::Query),
-                Err(error) => Err(error),
-            });
+            return Some(answer_show(context, &name).await);
         }
         Some(run_setting(context, plan.clone()).await)
     }
