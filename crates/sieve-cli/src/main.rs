@@ -296,7 +296,8 @@ enum Command {
         secret_file: Option<PathBuf>,
     },
     /// A long-lived compute node for clients: the PostgreSQL wire protocol
-    /// (psql, JDBC, psycopg), each connection its own session. Without
+    /// (psql, JDBC, psycopg) and Arrow Flight SQL (ADBC, JDBC), each
+    /// connection its own session. Without
     /// --cluster it starts the embedded cluster of the demo.
     Serve {
         /// Storage node Flight URLs, comma separated. Without it, the embedded
@@ -316,6 +317,9 @@ enum Command {
         /// Address of the PostgreSQL port.
         #[arg(long, default_value = "127.0.0.1:5433")]
         listen: SocketAddr,
+        /// Address of the Arrow Flight SQL port.
+        #[arg(long, default_value = "127.0.0.1:5434")]
+        flight_listen: SocketAddr,
         /// The user who may log in.
         #[arg(long, default_value = "sieve")]
         user: String,
@@ -333,7 +337,8 @@ enum Command {
         /// Serve plaintext on an address other than loopback.
         #[arg(long)]
         insecure_plaintext: bool,
-        /// Client connections served at once; more are refused (SQLSTATE 53300).
+        /// Client connections served at once (PostgreSQL; more are refused
+        /// with SQLSTATE 53300), and Flight SQL sessions open at once.
         #[arg(long, default_value_t = sieve_server::CONNECTIONS_MAX_DEFAULT)]
         connections_max: usize,
         /// A setting every session starts with, e.g. --set sieve.ndp=off.
@@ -675,6 +680,7 @@ async fn run(cli: Cli) -> Result<()> {
             data,
             secret_file,
             listen,
+            flight_listen,
             user,
             password_file,
             tls_cert,
@@ -689,6 +695,7 @@ async fn run(cli: Cli) -> Result<()> {
                 data_directory: data,
                 secret_file,
                 listen,
+                flight_listen,
                 user,
                 password_file,
                 tls_cert,

@@ -1,5 +1,5 @@
 //! `sieve serve`: a long-lived compute node that clients reach over the
-//! PostgreSQL wire protocol (`sieve-server`). Without `--cluster` it starts
+//! PostgreSQL wire protocol and Arrow Flight SQL (`sieve-server`). Without `--cluster` it starts
 //! the embedded cluster of the demo, data generated if missing.
 
 use std::net::SocketAddr;
@@ -11,7 +11,9 @@ use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::prelude::SessionConfig;
 use sieve_compute::memory::runtime_with_memory_limit;
 use sieve_compute::{session_over, ClusterCatalog, SieveConfig};
-use sieve_server::{serve, tls_acceptor, PgServerOptions, SessionFactory, Users};
+use sieve_server::{
+    serve, serve_flight_sql, tls_acceptor, FlightSqlOptions, PgServerOptions, SessionFactory, Users,
+};
 
 use crate::cluster::EmbeddedCluster;
 use crate::demo::{ensure_data, DemoOptions};
@@ -37,6 +39,8 @@ pub struct ServeOptions {
     pub secret_file: Option<PathBuf>,
     /// Address of the PostgreSQL port.
     pub listen: SocketAddr,
+    /// Address of the Arrow Flight SQL port.
+    pub flight_listen: SocketAddr,
     /// The user who may log in.
     pub user: String,
     /// File holding the user's password.
@@ -60,14 +64,20 @@ pub async fn run_serve(options: ServeOptions) -> Result<()> {
         (None, None) => None,
         _ => return plan_err!("--tls-cert and --tls-key go together"),
     };
-    if tls.is_none() && !options.listen.ip().is_loopback() && !options.insecure_plaintext {
-        return plan_err!(
-            "{} is not a loopback address: without TLS, query results and login \
-             exchanges cross the network in the clear; give --tls-cert and \
-             --tls-key (or --insecure-plaintext)",
-            options.listen
-        );
+    for address in [options.listen, options.flight_listen] {
+        if tls.is_none() && !address.ip().is_loopback() && !options.insecure_plaintext {
+            return plan_err!(
+                "{address} is not a loopback address: without TLS, query results and \
+                 passwords cross the network in the clear; give --tls-cert and \
+                 --tls-key (or --insecure-plaintext)"
+            );
+        }
     }
+    // The same certificate and key for Flight SQL (checked above, by rustls).
+    let flight_tls = match (&options.tls_cert, &options.tls_key) {
+        (Some(cert), Some(key)) => Some((read(cert)?, read(key)?)),
+        _ => None,
+    };
     let (password, made_up) = password(&options)?;
     let users = Arc::new(Users::new([(options.user.clone(), password.clone())])?);
 
@@ -119,14 +129,8 @@ pub async fn run_serve(options: ServeOptions) -> Result<()> {
     // A bad --set is an error now, not at the first connection.
     factory()?;
 
-    let listener = tokio::net::TcpListener::bind(options.listen)
-        .await
-        .map_err(|error| {
-            DataFusionError::Execution(format!("cannot listen on {}: {error}", options.listen))
-        })?;
-    let address = listener
-        .local_addr()
-        .map_err(|error| DataFusionError::External(Box::new(error)))?;
+    let (listener, address) = bind(options.listen).await?;
+    let (flight_listener, flight_address) = bind(options.flight_listen).await?;
     let sslmode = if tls.is_some() { "require" } else { "disable" };
     println!(
         "PostgreSQL protocol: listening on {address} ({}), user '{}'",
@@ -141,24 +145,70 @@ pub async fn run_serve(options: ServeOptions) -> Result<()> {
         "  connect: psql \"postgresql://{}@{address}/sieve?sslmode={sslmode}\"",
         options.user
     );
+    println!(
+        "Arrow Flight SQL: listening on {flight_address} ({}), user '{}'",
+        if flight_tls.is_some() {
+            "TLS required"
+        } else {
+            "plaintext"
+        },
+        options.user
+    );
+    println!(
+        "  connect: adbc_driver_flightsql.dbapi.connect(\"grpc{}://{flight_address}\", \
+         db_kwargs={{\"username\": \"{}\", \"password\": ...}})",
+        if flight_tls.is_some() { "+tls" } else { "" },
+        options.user
+    );
     if made_up {
         println!(
             "  password (made up for this run; set one with --password-file or {PASSWORD_ENV}): {password}"
         );
     }
+    let flight = FlightSqlOptions {
+        users: Arc::clone(&users),
+        tls: flight_tls,
+        sessions_max: options.connections_max.max(1),
+    };
     let pg = PgServerOptions {
         users,
         tls,
         connections_max: options.connections_max.max(1),
     };
-    let stop = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    serve(listener, factory, pg, stop)
-        .await
-        .map_err(|error| DataFusionError::External(Box::new(error)))?;
+    // Until Ctrl-C, or until a port fails.
+    let pg_server = serve(listener, Arc::clone(&factory), pg, std::future::pending());
+    let flight_server = serve_flight_sql(flight_listener, factory, flight, std::future::pending());
+    tokio::select! {
+        result = pg_server => {
+            result.map_err(|error| DataFusionError::External(Box::new(error)))?;
+        }
+        result = flight_server => {
+            result.map_err(|error| {
+                DataFusionError::Execution(format!("Flight SQL port: {error}"))
+            })?;
+        }
+        _ = tokio::signal::ctrl_c() => {}
+    }
     drop(embedded);
     Ok(())
+}
+
+/// Listen on `address`; the listener and the address it got.
+async fn bind(address: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr)> {
+    let listener = tokio::net::TcpListener::bind(address)
+        .await
+        .map_err(|error| {
+            DataFusionError::Execution(format!("cannot listen on {address}: {error}"))
+        })?;
+    let bound = listener
+        .local_addr()
+        .map_err(|error| DataFusionError::External(Box::new(error)))?;
+    Ok((listener, bound))
+}
+
+fn read(path: &std::path::Path) -> Result<Vec<u8>> {
+    std::fs::read(path)
+        .map_err(|error| DataFusionError::Execution(format!("{}: {error}", path.display())))
 }
 
 /// The user's password (from the file, the environment, or made up), and

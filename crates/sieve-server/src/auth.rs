@@ -60,6 +60,25 @@ impl Users {
         })
     }
 
+    /// Whether `password` is `user`'s (for logins that send the password
+    /// itself, as Flight SQL's Basic handshake does). An unknown user is
+    /// checked against the decoy, so both fail alike and take as long.
+    pub fn check(&self, user: &str, password: &str) -> bool {
+        let (known, (salt, hash)) = match self.salted.get(user) {
+            Some(salted) => (true, salted),
+            None => (false, &self.decoy),
+        };
+        let computed = gen_salted_password(password, salt, SCRAM_ITERATIONS);
+        // Compared in time independent of where they differ.
+        let differ = computed.len() != hash.len()
+            || computed
+                .iter()
+                .zip(hash)
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                != 0;
+        known && !differ
+    }
+
     /// A password of `bytes` random bytes, as hex.
     pub fn random_password(bytes: usize) -> Result<String> {
         Ok(hex(&random_bytes(bytes)?))
@@ -104,5 +123,8 @@ mod tests {
         let users = Users::new(vec![("a".into(), "p".into())]).unwrap();
         assert!(format!("{users:?}").contains("\"a\""));
         assert!(!format!("{users:?}").contains("\"p\""));
+        assert!(users.check("a", "p"));
+        assert!(!users.check("a", "q"));
+        assert!(!users.check("b", "p"));
     }
 }

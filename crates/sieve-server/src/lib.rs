@@ -7,17 +7,24 @@
 //!     cluster's catalog and one memory pool; SET sieve.* is the connection's
 //!     └─ a client that hangs up (hangup.rs) drops its query: the plan, and
 //!        with it every slice request on the storage nodes, is cancelled
+//!   ADBC, JDBC, Dremio/InfluxDB tools ──Arrow Flight SQL──> flight_sql
+//!     TLS (tonic) ─ Basic handshake → bearer token → that client's session
+//!     statements, prepared statements with parameters, metadata commands
 //! ```
 //!
 //! Errors go back as the protocol's error messages with a SQLSTATE
-//! (`errors.rs`); a connection is never dropped for a query's error.
+//! (`errors.rs`; for Flight SQL in the status message); a connection is
+//! never dropped for a query's error.
 
 pub mod auth;
 mod errors;
+pub mod flight_sql;
 mod hangup;
 pub mod pg;
+mod settings;
 pub mod tls;
 
 pub use auth::Users;
+pub use flight_sql::{serve_flight_sql, FlightSqlOptions};
 pub use pg::{serve, PgServerOptions, SessionFactory, CONNECTIONS_MAX_DEFAULT};
 pub use tls::tls_acceptor;

@@ -20,9 +20,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use datafusion::arrow::array::{RecordBatch, StringArray};
-use datafusion::arrow::datatypes::{DataType, Field, Schema};
-use datafusion::common::config::{ConfigExtension, ExtensionOptions};
 use datafusion::common::{ParamValues, Result};
 use datafusion::logical_expr::LogicalPlan;
 use datafusion::prelude::SessionContext;
@@ -55,10 +52,9 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 
-use sieve_compute::SieveConfig;
-
 use crate::errors::SqlStates;
 use crate::hangup::client_gone;
+use crate::settings::{show_sieve_setting, sieve_setting_shown};
 use crate::Users;
 
 /// Makes the session of a new connection (over the cluster the server
@@ -324,7 +320,9 @@ async fn plan_setting(
     statement: &Statement,
 ) -> PgWireResult<LogicalPlan> {
     if let Some(name) = sieve_setting_shown(statement) {
-        return Ok(show_sieve_setting(context, &name)?.into_unoptimized_plan());
+        return Ok(show_sieve_setting(context, &name)
+            .map_err(api_error)?
+            .into_unoptimized_plan());
     }
     context
         .state()
@@ -335,55 +333,10 @@ async fn plan_setting(
 
 /// The answer to `SHOW sieve.x`: its value now.
 async fn answer_show(context: &SessionContext, name: &str) -> PgWireResult<Response> {
-    let frame = show_sieve_setting(context, name)?;
+    let frame = show_sieve_setting(context, name).map_err(api_error)?;
     Ok(Response::Query(
         encode_dataframe(frame, &Format::UnifiedText, None).await?,
     ))
-}
-
-/// The name of the `sieve.*` setting `statement` shows, if it shows one.
-/// DataFusion's own SHOW knows only `datafusion.*`: it looks extension
-/// settings up without their prefix.
-fn sieve_setting_shown(statement: &Statement) -> Option<String> {
-    let Statement::ShowVariable { variable } = statement else {
-        return None;
-    };
-    let name = variable
-        .iter()
-        .map(|part| part.value.to_ascii_lowercase())
-        .collect::<Vec<_>>()
-        .join(".");
-    name.starts_with(&format!("{}.", SieveConfig::PREFIX))
-        .then_some(name)
-}
-
-/// `SHOW sieve.x` as DataFusion answers `SHOW datafusion.x`: one row of
-/// `name` and `value`; an unknown name is an error.
-fn show_sieve_setting(
-    context: &SessionContext,
-    name: &str,
-) -> PgWireResult<datafusion::dataframe::DataFrame> {
-    let key = &name[SieveConfig::PREFIX.len() + 1..];
-    let state = context.state();
-    let sieve = SieveConfig::of(state.config().options());
-    let Some(entry) = sieve.entries().into_iter().find(|entry| entry.key == key) else {
-        return Err(api_error(datafusion::error::DataFusionError::Configuration(
-            format!("'{name}' is not a setting (SHOW ALL lists the datafusion.* ones; sieve.* are in the README)"),
-        )));
-    };
-    let schema = Arc::new(Schema::new(vec![
-        Field::new("name", DataType::Utf8, false),
-        Field::new("value", DataType::Utf8, true),
-    ]));
-    let batch = RecordBatch::try_new(
-        schema,
-        vec![
-            Arc::new(StringArray::from(vec![name.to_string()])),
-            Arc::new(StringArray::from(vec![entry.value])),
-        ],
-    )
-    .map_err(|error| api_error(error.into()))?;
-    context.read_batch(batch).map_err(api_error)
 }
 
 #[async_trait]
