@@ -5,163 +5,17 @@
 //! refused; a client that hangs up mid-query stops its work on the storage
 //! nodes.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use sieve_cli::cluster::EmbeddedCluster;
-use sieve_cli::compare::{reference_context, run};
-use sieve_cli::queries::TPCH_QUERIES;
 
 mod common;
+mod serving;
 
 use common::NODES;
-
-const PASSWORD: &str = "correct horse battery staple";
-
-/// A self-signed certificate and its key, made by `openssl` in `directory`.
-fn certificate(directory: &Path) -> (PathBuf, PathBuf) {
-    std::fs::create_dir_all(directory).unwrap();
-    let (cert, key) = (directory.join("cert.pem"), directory.join("key.pem"));
-    let status = Command::new("openssl")
-        .args([
-            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-        ])
-        .args(["-subj", "/CN=localhost", "-keyout"])
-        .arg(&key)
-        .arg("-out")
-        .arg(&cert)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .expect("openssl is needed to make a test certificate (apt-get install openssl)");
-    assert!(status.success(), "openssl failed to make a certificate");
-    (cert, key)
-}
-
-/// A running `sieve serve` and the address it listens on.
-struct Server {
-    child: Child,
-    address: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn serve_command(cluster: &EmbeddedCluster, extra: &[&str]) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_sieve"));
-    command
-        .arg("serve")
-        .arg("--cluster")
-        .arg(cluster.urls().join(","))
-        .args(["--listen", "127.0.0.1:0"])
-        .args(extra)
-        .env("SIEVE_SECRET", cluster.secret().expose())
-        .env("SIEVE_PASSWORD", PASSWORD);
-    command
-}
-
-/// Start `sieve serve` over `cluster` and wait for its "listening on" line.
-fn start_server(cluster: &EmbeddedCluster, extra: &[&str]) -> Server {
-    let mut child = serve_command(cluster, extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let mut lines = BufReader::new(stdout).lines();
-    let address = loop {
-        let line = lines
-            .next()
-            .expect("sieve serve ended before it listened")
-            .unwrap();
-        if let Some(rest) = line.split("listening on ").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_string();
-        }
-    };
-    // Keep draining its output so that it never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    Server { child, address }
-}
-
-/// `psql` against `server` with `sslmode` and `password`, running `args`.
-fn psql(server: &Server, sslmode: &str, password: &str, args: &[&str]) -> Output {
-    let (host, port) = server.address.rsplit_once(':').unwrap();
-    Command::new("psql")
-        .arg(format!(
-            "host={host} port={port} user=sieve dbname=sieve sslmode={sslmode} connect_timeout=10"
-        ))
-        .args(["-X", "-v", "ON_ERROR_STOP=1", "-v", "VERBOSITY=verbose"])
-        .args(args)
-        .env("PGPASSWORD", password)
-        .output()
-        .expect("psql is needed (apt-get install postgresql-client)")
-}
-
-fn text(output: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
-}
-
-/// Rows of a CSV result (header dropped), each a list of cells.
-fn csv_rows(stdout: &str) -> Vec<Vec<String>> {
-    stdout
-        .lines()
-        .skip(1)
-        .map(|line| line.split(',').map(|cell| cell.to_string()).collect())
-        .collect()
-}
-
-/// The reference rows, as plain DataFusion formats them.
-async fn reference_rows(root: &Path, sql: &str) -> Vec<Vec<String>> {
-    let context = reference_context(root, NODES).await.unwrap();
-    let batches = run(&context, sql).await.unwrap();
-    sieve_cli::compare::rows_as_text(&batches, false)
-        .unwrap()
-        .into_iter()
-        .map(|row| row.split(" | ").map(str::to_string).collect())
-        .collect()
-}
-
-/// Whether two cells agree: equal text, or equal numbers (to 1e-9 relative).
-fn same_cell(left: &str, right: &str) -> bool {
-    if left == right {
-        return true;
-    }
-    match (left.parse::<f64>(), right.parse::<f64>()) {
-        (Ok(a), Ok(b)) => (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0),
-        _ => false,
-    }
-}
-
-fn assert_same_rows(name: &str, actual: &[Vec<String>], expected: &[Vec<String>]) {
-    assert_eq!(actual.len(), expected.len(), "{name}: row count");
-    for (row, (left, right)) in actual.iter().zip(expected).enumerate() {
-        assert_eq!(
-            left.len(),
-            right.len(),
-            "{name} row {row}: {left:?} vs {right:?}"
-        );
-        for (a, b) in left.iter().zip(right) {
-            assert!(same_cell(a, b), "{name} row {row}: {left:?} vs {right:?}");
-        }
-    }
-}
-
-fn query(name: &str) -> &'static str {
-    TPCH_QUERIES
-        .iter()
-        .find(|(found, _)| *found == name)
-        .map(|(_, sql)| *sql)
-        .unwrap()
-}
+use serving::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn psql_over_tls_with_a_password_sees_the_tables_and_gets_right_answers() {

@@ -681,11 +681,16 @@ impl FlightSqlService for SieveFlightSql {
     ) -> Result<Response<FlightInfo>, Status> {
         let session = self.session(&request)?;
         let handle = handle_of(&command.prepared_statement_handle)?;
-        let plan = bound_plan(&session, handle)?;
-        let schema = plan.schema().as_arrow().clone();
+        // Planned now, as a statement is: a SET takes effect though the
+        // client never fetches its (empty) result.
+        let frame = prepared_frame(&session, handle).await?;
+        let schema = frame.schema().as_arrow().clone();
+        let ticket = TicketStatementQuery {
+            statement_handle: handle_bytes(session.keep(frame)).into(),
+        };
         flight_info(
             &schema,
-            command.as_any().encode_to_vec(),
+            ticket.as_any().encode_to_vec(),
             request.into_inner(),
         )
     }
@@ -697,27 +702,7 @@ impl FlightSqlService for SieveFlightSql {
     ) -> Result<Response<<Self as FlightService>::DoGetStream>, Status> {
         let session = self.session(&request)?;
         let handle = handle_of(&command.prepared_statement_handle)?;
-        let (unbound, sql) = {
-            let statements = session.statements();
-            let prepared = statements
-                .prepared
-                .get(&handle)
-                .ok_or_else(|| Status::not_found("no such prepared statement"))?;
-            (prepared.parameters.is_empty(), prepared.sql.clone())
-        };
-        // Without parameters, planned now: a SET takes effect and a SHOW
-        // answers with the value now, as a statement would.
-        let frame = if unbound {
-            session.plan(&sql).await.map_err(status)?
-        } else {
-            let plan = bound_plan(&session, handle)?;
-            session
-                .context
-                .execute_logical_plan(plan)
-                .await
-                .map_err(status)?
-        };
-        execute(frame).await
+        execute(prepared_frame(&session, handle).await?).await
     }
 
     async fn get_flight_info_catalogs(
@@ -917,6 +902,31 @@ impl FlightSqlService for SieveFlightSql {
     }
 
     async fn register_sql_info(&self, _id: i32, _result: &SqlInfo) {}
+}
+
+/// A prepared statement, planned with its bound values. Without
+/// parameters it is planned from its text now: a SET takes effect, and a
+/// SHOW answers with the value now.
+async fn prepared_frame(session: &ClientSession, handle: u64) -> Result<DataFrame, Status> {
+    let sql = {
+        let statements = session.statements();
+        let prepared = statements
+            .prepared
+            .get(&handle)
+            .ok_or_else(|| Status::not_found("no such prepared statement"))?;
+        prepared.parameters.is_empty().then(|| prepared.sql.clone())
+    };
+    match sql {
+        Some(sql) => session.plan(&sql).await.map_err(status),
+        None => {
+            let plan = bound_plan(session, handle)?;
+            session
+                .context
+                .execute_logical_plan(plan)
+                .await
+                .map_err(status)
+        }
+    }
 }
 
 /// The prepared statement's plan with its bound values.
