@@ -7,7 +7,9 @@
 //! - [`compare`]: result comparison against plain DataFusion;
 //! - [`bench`]: `sieve bench`, NDP on, NDP off and DuckDB over an emulated link;
 //! - [`fuzz`]: `sieve fuzz`, random tables and queries through Sieve in several
-//!   modes, each result compared with plain DataFusion's.
+//!   modes, each result compared with plain DataFusion's;
+//! - [`serve`]: `sieve serve`, the PostgreSQL and Flight SQL ports;
+//! - [`shell`]: `sieve sql`, in this process or against a `sieve serve`.
 #![deny(missing_docs)]
 
 pub mod bench;
@@ -18,3 +20,4 @@ pub mod fuzz;
 pub mod queries;
 pub mod secret;
 pub mod serve;
+pub mod shell;

@@ -1,6 +1,5 @@
 //! `sieve`: the command line of the Sieve near-data-processing database.
 
-use std::io::{BufRead, Write};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -17,6 +16,7 @@ use sieve_cli::fuzz::{
 };
 use sieve_cli::secret::{load_secret, SECRET_ENV};
 use sieve_cli::serve::{run_serve, ServeOptions};
+use sieve_cli::shell::{run_statements, shell, Backend, Format, Printer};
 use sieve_compute::connect_session;
 use sieve_format::{generate_tpch, SliceLayout};
 use sieve_storage::{ExecuteOptions, StorageNode, StorageNodeConfig};
@@ -294,6 +294,26 @@ enum Command {
         /// SIEVE_SECRET; with neither, requests carry no credential.
         #[arg(long)]
         secret_file: Option<PathBuf>,
+        /// How results are printed.
+        #[arg(long, value_enum, default_value = "table")]
+        format: Format,
+        /// Write results to this file instead of standard output.
+        #[arg(short = 'o', long = "output")]
+        output: Option<PathBuf>,
+        /// A running `sieve serve` to send the statements to, by its Arrow
+        /// Flight SQL address: grpc://HOST:PORT or grpc+tls://HOST:PORT.
+        #[arg(long, conflicts_with = "cluster")]
+        connect: Option<String>,
+        /// The user to log in as (with --connect).
+        #[arg(long, default_value = "sieve")]
+        user: String,
+        /// File holding the password (with --connect); else SIEVE_PASSWORD.
+        #[arg(long)]
+        password_file: Option<PathBuf>,
+        /// CA certificate (PEM) to check the server's against (grpc+tls://);
+        /// else the system's roots.
+        #[arg(long)]
+        tls_ca: Option<PathBuf>,
     },
     /// A long-lived compute node for clients: the PostgreSQL wire protocol
     /// (psql, JDBC, psycopg) and Arrow Flight SQL (ADBC, JDBC), each
@@ -639,7 +659,26 @@ async fn run(cli: Cli) -> Result<()> {
             sf,
             data,
             secret_file,
+            format,
+            output,
+            connect,
+            user,
+            password_file,
+            tls_ca,
         } => {
+            let printer = Printer { format, output };
+            if let Some(url) = connect {
+                let password = sieve_cli::serve::password_from(password_file.as_deref())?
+                    .ok_or_else(|| {
+                        DataFusionError::Plan(format!(
+                            "--connect needs a password: --password-file or {}",
+                            sieve_cli::serve::PASSWORD_ENV
+                        ))
+                    })?;
+                let mut backend =
+                    Backend::connect(&url, &user, &password, tls_ca.as_deref()).await?;
+                return run_sql(&mut backend, command, file, &printer).await;
+            }
             let mut embedded = None;
             let mut secret = load_secret(secret_file.as_deref())?;
             let urls = if cluster.is_empty() {
@@ -663,14 +702,8 @@ async fn run(cli: Cli) -> Result<()> {
                 cluster
             };
             let session = connect_session(&urls, secret.as_ref()).await?;
-            let result = if let Some(sql) = command {
-                run_statements(&session.context, &sql).await
-            } else if let Some(file) = file {
-                let sql = std::fs::read_to_string(&file)?;
-                run_statements(&session.context, &sql).await
-            } else {
-                shell(&session.context).await
-            };
+            let mut backend = Backend::Local(session.context);
+            let result = run_sql(&mut backend, command, file, &printer).await;
             drop(embedded);
             result
         }
@@ -709,49 +742,20 @@ async fn run(cli: Cli) -> Result<()> {
     }
 }
 
-/// Run each `;`-separated statement and print its result.
-async fn run_statements(context: &datafusion::prelude::SessionContext, sql: &str) -> Result<()> {
-    for statement in sql
-        .split(';')
-        .map(str::trim)
-        .filter(|statement| !statement.is_empty())
-    {
-        let started = std::time::Instant::now();
-        let batches = context.sql(statement).await?.collect().await?;
-        let elapsed = started.elapsed();
-        let rows: usize = batches.iter().map(|batch| batch.num_rows()).sum();
-        println!("{}", arrow::util::pretty::pretty_format_batches(&batches)?);
-        eprintln!("{rows} row(s) in {:.1} ms", elapsed.as_secs_f64() * 1e3);
+/// `sieve sql`'s statements: from -c, from -f, or the shell.
+async fn run_sql(
+    backend: &mut Backend,
+    command: Option<String>,
+    file: Option<PathBuf>,
+    printer: &Printer,
+) -> Result<()> {
+    if let Some(sql) = command {
+        run_statements(backend, &sql, printer).await
+    } else if let Some(file) = file {
+        let sql = std::fs::read_to_string(&file)
+            .map_err(|error| DataFusionError::Execution(format!("{}: {error}", file.display())))?;
+        run_statements(backend, &sql, printer).await
+    } else {
+        shell(backend, printer).await
     }
-    Ok(())
-}
-
-/// A line-based shell: statements end with `;`. Errors are printed and the shell goes on.
-async fn shell(context: &datafusion::prelude::SessionContext) -> Result<()> {
-    let stdin = std::io::stdin();
-    let mut buffer = String::new();
-    print!("sieve> ");
-    let _ = std::io::stdout().flush();
-    for line in stdin.lock().lines() {
-        let line = line?;
-        buffer.push_str(&line);
-        buffer.push('\n');
-        if line.trim_end().ends_with(';') {
-            if let Err(error) = run_statements(context, &buffer).await {
-                eprintln!("error: {error}");
-            }
-            buffer.clear();
-        }
-        print!(
-            "{}",
-            if buffer.is_empty() {
-                "sieve> "
-            } else {
-                "   ... "
-            }
-        );
-        let _ = std::io::stdout().flush();
-    }
-    println!();
-    Ok(())
 }

@@ -214,17 +214,23 @@ fn read(path: &std::path::Path) -> Result<Vec<u8>> {
 /// The user's password (from the file, the environment, or made up), and
 /// whether it was made up.
 fn password(options: &ServeOptions) -> Result<(String, bool)> {
-    if let Some(file) = &options.password_file {
+    match password_from(options.password_file.as_deref())? {
+        Some(password) => Ok((password, false)),
+        None => Ok((Users::random_password(RANDOM_PASSWORD_BYTES)?, true)),
+    }
+}
+
+/// A password from `file` (its first line), else from [`PASSWORD_ENV`].
+pub fn password_from(file: Option<&std::path::Path>) -> Result<Option<String>> {
+    if let Some(file) = file {
         let text = std::fs::read_to_string(file).map_err(|error| {
             DataFusionError::Execution(format!("password file {}: {error}", file.display()))
         })?;
-        return Ok((text.trim_end_matches(['\n', '\r']).to_string(), false));
+        return Ok(Some(text.trim_end_matches(['\n', '\r']).to_string()));
     }
     match std::env::var(PASSWORD_ENV) {
-        Ok(password) => Ok((password, false)),
-        Err(std::env::VarError::NotPresent) => {
-            Ok((Users::random_password(RANDOM_PASSWORD_BYTES)?, true))
-        }
+        Ok(password) => Ok(Some(password)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
         Err(error) => plan_err!("{PASSWORD_ENV}: {error}"),
     }
 }

@@ -191,3 +191,81 @@ async fn a_tls_port_refuses_plaintext_and_serves_tls() {
     drop(server);
     let _ = std::fs::remove_dir_all(&directory);
 }
+
+/// `sieve sql` with `args`, its password from the environment.
+fn sieve_sql(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_sieve"))
+        .arg("sql")
+        .args(args)
+        .env("SIEVE_PASSWORD", PASSWORD)
+        .output()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sieve_sql_connects_to_a_server_and_prints_csv_json_and_tables() {
+    let root = common::small_slices(1);
+    let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
+    let server = start_server(&cluster, &[]);
+    let url = format!("grpc://{}", server.flight_address);
+    let directory = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("sieve-sql-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).unwrap();
+
+    // CSV to standard output: Q1's rows, equal to plain DataFusion's.
+    let output = sieve_sql(&["--connect", &url, "--format", "csv", "-c", query("q1")]);
+    let (stdout, stderr) = text(&output);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("4 rows in"), "the elapsed line: {stderr}");
+    assert_same_rows(
+        "q1 csv",
+        &csv_rows(&stdout),
+        &reference_rows(&root, query("q1")).await,
+    );
+
+    // JSON to a file: an array of objects, one per row.
+    let file = directory.join("q6.json");
+    let output = sieve_sql(&[
+        "--connect",
+        &url,
+        "--format",
+        "json",
+        "-o",
+        file.to_str().unwrap(),
+        "-c",
+        query("q6"),
+    ]);
+    assert!(output.status.success(), "{}", text(&output).1);
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let expected = reference_rows(&root, query("q6")).await;
+    let revenue = rows[0]["revenue"].to_string();
+    assert!(
+        same_cell(revenue.trim_matches('"'), &expected[0][0]),
+        "{rows} vs {expected:?}"
+    );
+
+    // Statements share the session; the table format; an error stops the
+    // run with its SQLSTATE and a non-zero exit.
+    let output = sieve_sql(&[
+        "--connect",
+        &url,
+        "-c",
+        "SET sieve.ndp = off; SHOW sieve.ndp; select 'a;b' as x; select nope; select 2",
+    ]);
+    let (stdout, stderr) = text(&output);
+    assert!(!output.status.success());
+    assert!(stdout.contains("| sieve.ndp | off   |"), "{stdout}");
+    assert!(stdout.contains("| a;b |"), "{stdout}");
+    assert!(stderr.contains("42703"), "{stderr}");
+
+    // A wrong password is refused.
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_sieve"))
+        .args(["sql", "--connect", &url, "-c", "select 1"])
+        .env("SIEVE_PASSWORD", "wrong")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(text(&output).1.contains("authentication failed"));
+    let _ = std::fs::remove_dir_all(&directory);
+}
