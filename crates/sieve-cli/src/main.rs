@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use datafusion::common::{DataFusionError, Result};
+use sieve_cli::bench::clients::{clients_markdown, run_clients_bench, ClientsBenchOptions};
 use sieve_cli::bench::streams::{format_streams, run_streams, StreamsOptions};
 use sieve_cli::bench::{run_bench, BenchOptions, LinkSpec, Mode};
 use sieve_cli::cluster::EmbeddedCluster;
@@ -90,7 +91,9 @@ enum Command {
     /// plain loopback otherwise). Prints a Markdown table and writes
     /// results.json, report.md and charts (SVG, PNG) to --out.
     Bench {
-        /// Benchmark: `tpch`.
+        /// Benchmark: `tpch`, or `clients` (latency of Q1 and Q6 and the rate
+        /// of a large result through Flight SQL and PostgreSQL against
+        /// in-process; --sf, --nodes, --runs and --data apply).
         benchmark: String,
         /// Scale factor.
         #[arg(long, default_value_t = 1.0)]
@@ -458,6 +461,17 @@ async fn run(cli: Cli) -> Result<()> {
             settings,
             storage_args,
         } => {
+            if benchmark == "clients" {
+                let options = ClientsBenchOptions {
+                    scale_factor: sf,
+                    nodes,
+                    runs,
+                    data_directory: data,
+                };
+                let measurements = run_clients_bench(&options).await?;
+                println!("{}", clients_markdown(&options, &measurements));
+                return Ok(());
+            }
             let options = BenchOptions {
                 benchmark,
                 scale_factor: sf,

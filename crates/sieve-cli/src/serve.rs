@@ -11,6 +11,7 @@ use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::prelude::SessionConfig;
 use sieve_compute::memory::runtime_with_memory_limit;
 use sieve_compute::{session_over, ClusterCatalog, SieveConfig};
+use sieve_fragment::Secret;
 use sieve_server::{
     serve, serve_flight_sql, tls_acceptor, FlightSqlOptions, PgServerOptions, SessionFactory, Users,
 };
@@ -104,28 +105,7 @@ pub async fn run_serve(options: ServeOptions) -> Result<()> {
         options.cluster.clone()
     };
 
-    // One discovery and one memory pool for every connection.
-    let base = SessionConfig::new().with_option_extension(SieveConfig::default());
-    let catalog = Arc::new(
-        ClusterCatalog::discover_with(
-            &urls,
-            secret.as_ref(),
-            SieveConfig::of(base.options()).discovery_settings(),
-        )
-        .await?,
-    );
-    let runtime = runtime_with_memory_limit(&RuntimeEnv::default(), "auto")?;
-    let settings = options.settings.clone();
-    let factory: SessionFactory = Arc::new(move || {
-        let session = session_over(
-            Arc::clone(&catalog),
-            secret.as_ref(),
-            SessionConfig::new(),
-            Arc::clone(&runtime),
-        )?;
-        session.apply_settings(&settings)?;
-        Ok(session.context)
-    });
+    let factory = session_factory(&urls, secret.as_ref(), options.settings.clone()).await?;
     // A bad --set is an error now, not at the first connection.
     factory()?;
 
@@ -193,8 +173,38 @@ pub async fn run_serve(options: ServeOptions) -> Result<()> {
     Ok(())
 }
 
-/// Listen on `address`; the listener and the address it got.
-async fn bind(address: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr)> {
+/// New sessions over the cluster at `urls`, each starting with `settings`:
+/// one discovery and one memory pool for every connection.
+pub async fn session_factory(
+    urls: &[String],
+    secret: Option<&Secret>,
+    settings: Vec<String>,
+) -> Result<SessionFactory> {
+    let base = SessionConfig::new().with_option_extension(SieveConfig::default());
+    let catalog = Arc::new(
+        ClusterCatalog::discover_with(
+            urls,
+            secret,
+            SieveConfig::of(base.options()).discovery_settings(),
+        )
+        .await?,
+    );
+    let runtime = runtime_with_memory_limit(&RuntimeEnv::default(), "auto")?;
+    let secret = secret.cloned();
+    Ok(Arc::new(move || {
+        let session = session_over(
+            Arc::clone(&catalog),
+            secret.as_ref(),
+            SessionConfig::new(),
+            Arc::clone(&runtime),
+        )?;
+        session.apply_settings(&settings)?;
+        Ok(session.context)
+    }))
+}
+
+/// Listen on `address`; the listener and the address it got (port 0: any).
+pub async fn bind(address: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr)> {
     let listener = tokio::net::TcpListener::bind(address)
         .await
         .map_err(|error| {

@@ -18,6 +18,7 @@
 //! a JSON file with every sample, and SVG/PNG charts.
 
 pub mod chart;
+pub mod clients;
 pub mod duckdb;
 pub mod link;
 pub mod nodes;
