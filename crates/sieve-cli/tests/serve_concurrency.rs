@@ -24,8 +24,15 @@ mod serving;
 use common::NODES;
 use serving::*;
 
-/// Client connections at once.
+/// Client connections at once (`SIEVE_CLIENTS_CONNECTIONS` for a
+/// comparison run, e.g. 1).
 const CONNECTIONS: usize = 32;
+
+fn connections() -> usize {
+    std::env::var("SIEVE_CLIENTS_CONNECTIONS")
+        .map(|text| text.parse().expect("SIEVE_CLIENTS_CONNECTIONS is a number"))
+        .unwrap_or(CONNECTIONS)
+}
 
 /// The unit separator: no TPC-H value contains it (commas do).
 const SEPARATOR: &str = "\x1f";
@@ -53,6 +60,7 @@ fn unaligned_rows(path: &Path) -> Vec<Vec<String>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thirty_two_connections_each_running_the_22_queries_get_right_answers() {
+    let connections = connections();
     let scale_factor: f64 = std::env::var("SIEVE_CLIENTS_SF")
         .map(|text| text.parse().expect("SIEVE_CLIENTS_SF is a number"))
         .unwrap_or(0.01);
@@ -65,7 +73,7 @@ async fn thirty_two_connections_each_running_the_22_queries_get_right_answers() 
     // One script per connection: each query's rows to a file of its own.
     let (host, port) = server.address.rsplit_once(':').unwrap();
     let started = Instant::now();
-    let clients: Vec<_> = (0..CONNECTIONS)
+    let clients: Vec<_> = (0..connections)
         .map(|client| {
             let out = directory.join(format!("c{client}"));
             std::fs::create_dir_all(&out).unwrap();
@@ -104,9 +112,9 @@ async fn thirty_two_connections_each_running_the_22_queries_get_right_answers() 
     }
     let elapsed = started.elapsed();
     assert!(failures.is_empty(), "{failures:#?}");
-    let queries = CONNECTIONS * TPCH_QUERIES.len();
+    let queries = connections * TPCH_QUERIES.len();
     eprintln!(
-        "SF {scale_factor}: {CONNECTIONS} connections ran {queries} queries in {:.1} s: {:.2} queries/s",
+        "SF {scale_factor}: {connections} connections ran {queries} queries in {:.1} s: {:.2} queries/s",
         elapsed.as_secs_f64(),
         queries as f64 / elapsed.as_secs_f64()
     );
@@ -120,7 +128,7 @@ async fn thirty_two_connections_each_running_the_22_queries_get_right_answers() 
                 .map(|row| row.split(" | ").map(str::to_string).collect())
                 .collect();
         expected.sort();
-        for client in 0..CONNECTIONS {
+        for client in 0..connections {
             let mut actual = unaligned_rows(&directory.join(format!("c{client}/{name}.txt")));
             actual.sort();
             assert_same_rows(&format!("connection {client} {name}"), &actual, &expected);
