@@ -55,8 +55,32 @@ impl std::fmt::Debug for Backend {
     }
 }
 
+/// A Flight SQL error as the server worded it: a gRPC status's message
+/// alone (it carries the SQLSTATE), without the layers of wrapping.
 fn flight_error(error: impl std::fmt::Display) -> DataFusionError {
-    DataFusionError::Execution(error.to_string())
+    DataFusionError::Execution(server_message(error))
+}
+
+/// See [`flight_error`].
+fn server_message(error: impl std::fmt::Display) -> String {
+    let text = error.to_string();
+    let Some((_, quoted)) = text.split_once("message: \"") else {
+        return text;
+    };
+    let mut message = String::new();
+    let mut chars = quoted.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => break,
+            '\\' => match chars.next() {
+                Some('n') => message.push('\n'),
+                Some(escaped) => message.push(escaped),
+                None => break,
+            },
+            _ => message.push(c),
+        }
+    }
+    message
 }
 
 impl Backend {
@@ -95,10 +119,12 @@ impl Backend {
             DataFusionError::Execution(format!("cannot reach {url}: {error:?}"))
         })?;
         let mut client = FlightSqlServiceClient::new(channel);
-        client
-            .handshake(user, password)
-            .await
-            .map_err(|error| DataFusionError::Execution(format!("login to {url}: {error}")))?;
+        client.handshake(user, password).await.map_err(|error| {
+            let DataFusionError::Execution(message) = flight_error(error) else {
+                unreachable!("flight_error makes an execution error")
+            };
+            DataFusionError::Execution(format!("login to {url}: {message}"))
+        })?;
         Ok(Backend::Remote(client))
     }
 
@@ -463,6 +489,18 @@ mod tests {
             vec!["select 'a;b'", "select \"x;\" from t", "select 2"]
         );
         assert!(split_statements(" ; ;\n").is_empty());
+    }
+
+    #[test]
+    fn a_status_message_is_unwrapped() {
+        let error = flight_error(
+            "Tonic error: code: 'Client specified an invalid argument', message: \"No field named \\\"x\\\". (SQLSTATE 42703)\", details: []",
+        );
+        assert_eq!(
+            error.to_string(),
+            "Execution error: No field named \"x\". (SQLSTATE 42703)"
+        );
+        assert_eq!(flight_error("plain").to_string(), "Execution error: plain");
     }
 
     #[test]
