@@ -273,18 +273,25 @@ async fn half_open_connections_are_closed_and_connections_over_the_bound_refused
                 "{what} connection to {address} still open"
             );
         }
-        // Eight connections fill the bound; the ninth is closed at once.
-        let mut filling = Vec::new();
-        for _ in 0..8 {
-            filling.push(TcpStream::connect(address).await.unwrap());
+        // Nine connections for a bound of eight: one of them is closed at
+        // once (which one depends on the order the node accepts them in, on
+        // a loaded machine not always the last); the others are kept until
+        // the handshake timeout, after the 1.5 s looked at here.
+        let mut streams = Vec::new();
+        for _ in 0..9 {
+            streams.push(TcpStream::connect(address).await.unwrap());
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let mut over = TcpStream::connect(address).await.unwrap();
+        let closed = futures::future::join_all(
+            streams
+                .iter_mut()
+                .map(|stream| closed_within(stream, Duration::from_millis(1_500))),
+        )
+        .await;
         assert!(
-            closed_within(&mut over, Duration::from_millis(1_500)).await,
-            "a connection over the bound to {address} was kept"
+            closed.iter().any(|&closed| closed),
+            "nine connections to {address}, bound 8: none was refused"
         );
-        drop(filling);
+        drop(streams);
     }
     // Once those are gone, the node serves again.
     tokio::time::sleep(Duration::from_millis(200)).await;
