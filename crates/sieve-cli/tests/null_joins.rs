@@ -16,7 +16,7 @@ use arrow::record_batch::RecordBatch;
 use datafusion::prelude::SessionContext;
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context_for, rows_as_text, run};
-use sieve_compute::{connect_session, SieveSession};
+use sieve_compute::{connect_session, SieveSession, GRACE_FAN_OUT};
 use sieve_format::{copy_slice, node_directory, slice_path, write_slice, SliceLayout};
 
 const NODES: usize = 3;
@@ -223,6 +223,38 @@ async fn joins_over_null_keys_equal_plain_datafusion() {
     // no dynamic filter: its probe scan must not wait for one.
     let plan = explain_analyze(&session, QUERIES[QUERIES.len() - 1]).await;
     assert!(!plan.contains("not complete after"), "{plan}");
+
+    // Every partitioned join over its memory: each partition goes to disk
+    // by key hash and is joined part by part (parts partitioned again where
+    // still too large), with NDP on and off.
+    let spilling = connect_session(&cluster.urls(), Some(cluster.secret()))
+        .await
+        .unwrap();
+    spilling
+        .apply_settings(&[
+            "sieve.join_build_bytes_max=8192".into(),
+            "datafusion.execution.target_partitions=2".into(),
+            // Partitioned joins even for these small build sides.
+            "datafusion.optimizer.hash_join_single_partition_threshold=0".into(),
+            "datafusion.optimizer.hash_join_single_partition_threshold_rows=0".into(),
+        ])
+        .unwrap();
+    check(&spilling, &reference, "spilled to disk").await;
+    let plan = explain_analyze(&spilling, QUERIES[28]).await;
+    let parts: usize = plan
+        .split("spilled_join_parts=")
+        .skip(1)
+        .filter_map(|rest| {
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse::<usize>().ok()
+        })
+        .sum();
+    assert!(
+        QUERIES[28].contains("FULL JOIN") && parts > GRACE_FAN_OUT,
+        "the full join did not run part by part, partitioned again: {plan}"
+    );
+    spilling.set_ndp(false).unwrap();
+    check(&spilling, &reference, "spilled to disk, NDP off").await;
 
     // Every slice raw: the compute node runs the same fragments.
     let raw = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();

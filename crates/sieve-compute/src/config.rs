@@ -62,6 +62,12 @@ extensions_options! {
         /// Bytes of batches a scan started early may buffer before its
         /// consumer takes them; beyond, it waits.
         pub early_start_buffer_bytes: usize, default = 64 * 1024 * 1024
+        /// Memory one partition of a partitioned hash join may hold for its
+        /// build side (its batches plus an estimate of the hash table); past
+        /// it, or past its share of the memory pool, both sides of that
+        /// partition are partitioned by key hash to disk and joined one part
+        /// at a time (a grace hash join). 0 keeps every build side in memory.
+        pub join_build_bytes_max: usize, default = crate::spill_join::JOIN_BUILD_BYTES_MAX
         /// Longest a storage node may stay silent during a slice request
         /// (connecting, before its first message, between messages) before
         /// the attempt counts as failed, in milliseconds.

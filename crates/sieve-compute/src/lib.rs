@@ -42,6 +42,7 @@ mod range_store;
 pub mod raw;
 mod scan;
 mod session;
+mod spill_join;
 mod table;
 mod traffic;
 
@@ -68,6 +69,10 @@ pub use scan::{PushedAggregate, ScanOptions, SieveScanExec};
 pub use session::{
     connect_session, connect_session_with_config, physical_rules_without_static_filter_pushdown,
     session_over, SieveSession,
+};
+pub use spill_join::{
+    JoinInputExec, SpillHashJoins, SpillableHashJoinExec, GRACE_DEPTH_MAX, GRACE_FAN_OUT,
+    JOIN_BUILD_BYTES_MAX,
 };
 pub use table::SieveTable;
 pub use traffic::{Traffic, TrafficSnapshot};

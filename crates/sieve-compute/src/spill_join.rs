@@ -1,0 +1,739 @@
+//! Hash joins whose build side does not fit in memory: grace partitioning.
+//!
+//! DataFusion 55's `HashJoinExec` holds its whole build side in memory and
+//! cannot spill; past the memory pool the query fails, and below it the
+//! compute node's memory grows with the scale factor (TPC-H Q9 at SF 100
+//! built a 150 M-row orders table). [`SpillHashJoins`] wraps every
+//! partitioned hash join that may spill in a [`SpillableHashJoinExec`],
+//! which runs one join partition like this:
+//!
+//! ```text
+//!  read the build side, holding it (a spillable reservation in the pool)
+//!  ├─ it ends within sieve.join_build_bytes_max and the pool's share:
+//!  │    DataFusion's own HashJoinExec runs the partition over the batches
+//!  │    held (dynamic filter, join filters and metrics as ever)
+//!  └─ it does not:
+//!       the partition's dynamic filter is given up (DataFusion lets it
+//!       pass every probe row of this partition, as for a cancelled one);
+//!       build rows, then probe rows, go by a hash of the join keys into
+//!       GRACE_FAN_OUT spill files each (DataFusion's SpillManager, the
+//!       session's disk manager and its limit); then for each part, a
+//!       HashJoinExec (same keys, type, filter, projection, NULL
+//!       semantics) joins build part i with probe part i. A part still too
+//!       large is partitioned again with another hash seed, at most
+//!       GRACE_DEPTH_MAX times (beyond, one key's rows: joined in memory).
+//! ```
+//!
+//! Partitioning by the join keys keeps every join type right: rows that
+//! can match share a part, and each build and probe row is in exactly one
+//! part, so unmatched rows of outer, semi, anti and mark joins are found in
+//! their part. Null-aware anti joins (`NOT IN`, where one NULL anywhere on
+//! the probe side empties the result) are not decomposable and are left
+//! alone, as are joins with a fetch (LIMIT) and joins whose output order
+//! something above may rely on. `CollectLeft` joins are left alone: their
+//! build side is one table shared by every probe partition, and DataFusion
+//! chooses that mode only for build sides it estimates small.
+//!
+//! The wrapped join keeps its children behind two pass-through
+//! [`JoinInputExec`]s, so the plan DataFusion and Sieve's rules see is the
+//! join's own (the probe scan still finds the dynamic filter its join
+//! publishes); at run time they hand the join the build batches already
+//! read.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use arrow::array::{RecordBatch, UInt32Array};
+use arrow::compute::take_record_batch;
+use arrow::datatypes::SchemaRef;
+use datafusion::common::config::ConfigOptions;
+use datafusion::common::hash_utils::{create_hashes, RandomState};
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::common::{internal_err, DataFusionError, Result};
+use datafusion::execution::SpillFile;
+use datafusion::execution::memory_pool::MemoryConsumer;
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_expr::{EquivalenceProperties, Partitioning, PhysicalExpr};
+use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_plan::execution_plan::{
+    Boundedness, ChildrenPropertiesMode, EmissionType, ReplaceChildrenOptions,
+};
+use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+use datafusion::physical_plan::metrics::{
+    Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet, SpillMetrics,
+};
+use datafusion::physical_plan::spill::get_record_batch_memory_size;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, EmptyRecordBatchStream, ExecutionPlan, PlanProperties,
+    SpillManager,
+};
+use futures::{StreamExt, TryStreamExt};
+
+use crate::SieveConfig;
+
+/// Default of `sieve.join_build_bytes_max`: the build side one join
+/// partition holds in memory before it is partitioned to disk.
+pub const JOIN_BUILD_BYTES_MAX: usize = 256 * 1024 * 1024;
+
+/// Spill files per side when a join partition is partitioned to disk.
+pub const GRACE_FAN_OUT: usize = 16;
+
+/// Times a part still too large is partitioned again (16^3 = 4,096 parts
+/// of the build side's share of one join partition).
+pub const GRACE_DEPTH_MAX: usize = 3;
+
+/// Bytes per build row counted for DataFusion's hash table (its map of
+/// hashes to rows and its chain of equal hashes) on top of the batches.
+const HASH_TABLE_BYTES_PER_ROW: usize = 32;
+
+/// Hash seeds of the partitioning levels, distinct from the seeds of the
+/// repartitioning below the join (0) and of the join's hash table.
+const LEVEL_SEEDS: [u64; GRACE_DEPTH_MAX + 1] = [
+    0x5eed_9ace_0000_0001,
+    0x5eed_9ace_0000_0002,
+    0x5eed_9ace_0000_0003,
+    0x5eed_9ace_0000_0004,
+];
+
+/// Wraps partitioned hash joins in [`SpillableHashJoinExec`] (see the
+/// module documentation); `sieve.join_build_bytes_max = 0` turns it off.
+#[derive(Debug, Default)]
+pub struct SpillHashJoins;
+
+impl PhysicalOptimizerRule for SpillHashJoins {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        config: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let budget = SieveConfig::of(config).join_build_bytes_max;
+        if budget == 0 {
+            return Ok(plan);
+        }
+        plan.transform_up(|node| {
+            let Some(join) = node.downcast_ref::<HashJoinExec>() else {
+                return Ok(Transformed::no(node));
+            };
+            if !may_spill(join) {
+                return Ok(Transformed::no(node));
+            }
+            let children = vec![
+                Arc::new(JoinInputExec::new(Arc::clone(join.left()))) as Arc<dyn ExecutionPlan>,
+                Arc::new(JoinInputExec::new(Arc::clone(join.right()))),
+            ];
+            // Replacing the children keeps the join's dynamic filter, which
+            // the probe scan below already holds.
+            let join = Arc::clone(&node).replace_children(
+                children,
+                ReplaceChildrenOptions::new(ChildrenPropertiesMode::Keep),
+            )?;
+            Ok(Transformed::yes(
+                Arc::new(SpillableHashJoinExec::new(join, budget)) as Arc<dyn ExecutionPlan>
+            ))
+        })
+        .map(|transformed| transformed.data)
+    }
+
+    fn name(&self) -> &str {
+        "sieve_spill_hash_joins"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+/// Whether `join` can run part by part (see the module documentation).
+fn may_spill(join: &HashJoinExec) -> bool {
+    *join.partition_mode() == PartitionMode::Partitioned
+        && !join.null_aware
+        && join.fetch().is_none()
+        && join.properties().output_ordering().is_none()
+        // Already wrapped.
+        && join.left().downcast_ref::<JoinInputExec>().is_none()
+}
+
+/// A hash join partition that holds its build side in memory while it fits
+/// and joins part by part from disk when it does not.
+#[derive(Debug)]
+pub struct SpillableHashJoinExec {
+    /// A `HashJoinExec` whose children are [`JoinInputExec`]s.
+    join: Arc<dyn ExecutionPlan>,
+    budget: usize,
+    metrics: ExecutionPlanMetricsSet,
+}
+
+impl SpillableHashJoinExec {
+    fn new(join: Arc<dyn ExecutionPlan>, budget: usize) -> Self {
+        Self {
+            join,
+            budget,
+            metrics: ExecutionPlanMetricsSet::new(),
+        }
+    }
+}
+
+impl DisplayAs for SpillableHashJoinExec {
+    fn fmt_as(&self, _format: DisplayFormatType, formatter: &mut fmt::Formatter) -> fmt::Result {
+        write!(
+            formatter,
+            "SpillableHashJoinExec: build side held up to {} MiB per partition, beyond joined in {} parts from disk",
+            self.budget >> 20,
+            GRACE_FAN_OUT
+        )
+    }
+}
+
+impl ExecutionPlan for SpillableHashJoinExec {
+    fn name(&self) -> &str {
+        "SpillableHashJoinExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        self.join.properties()
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.join]
+    }
+
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![false]
+    }
+
+    fn benefits_from_input_partitioning(&self) -> Vec<bool> {
+        vec![false]
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let [join] = &children[..] else {
+            return internal_err!("SpillableHashJoinExec has one child");
+        };
+        Ok(Arc::new(Self::new(Arc::clone(join), self.budget)))
+    }
+
+    fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
+        Ok(Arc::new(Self::new(Arc::clone(&self.join), self.budget)))
+    }
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        Some(self.metrics.clone_inner())
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let inputs = self.join.downcast_ref::<HashJoinExec>().and_then(|join| {
+            let build = join.left().downcast_ref::<JoinInputExec>()?;
+            let probe = join.right().downcast_ref::<JoinInputExec>()?;
+            Some((build.clone(), probe.clone()))
+        });
+        let Some((build, probe)) = inputs else {
+            // A rule after ours rebuilt the join's children: run it as is.
+            return self.join.execute(partition, context);
+        };
+        let run = JoinPartition {
+            join: Arc::clone(&self.join),
+            build,
+            probe,
+            partition,
+            context,
+            budget: self.budget,
+            spill: SpillMetrics::new(&self.metrics, partition),
+            parts: MetricBuilder::new(&self.metrics).counter("spilled_join_parts", partition),
+        };
+        let stream = futures::stream::once(run.run()).try_flatten();
+        Ok(Box::pin(RecordBatchStreamAdapter::new(self.join.schema(), stream)))
+    }
+}
+
+/// One partition of a [`SpillableHashJoinExec`], as it runs.
+struct JoinPartition {
+    join: Arc<dyn ExecutionPlan>,
+    build: JoinInputExec,
+    probe: JoinInputExec,
+    partition: usize,
+    context: Arc<TaskContext>,
+    budget: usize,
+    spill: SpillMetrics,
+    parts: Count,
+}
+
+/// Memory a build batch takes in the join: its arrays and its share of the
+/// hash table.
+fn build_bytes(batch: &RecordBatch) -> usize {
+    get_record_batch_memory_size(batch) + batch.num_rows() * HASH_TABLE_BYTES_PER_ROW
+}
+
+impl JoinPartition {
+    fn hash_join(&self) -> &HashJoinExec {
+        self.join
+            .downcast_ref::<HashJoinExec>()
+            .expect("checked in execute")
+    }
+
+    async fn run(self) -> Result<SendableRecordBatchStream> {
+        let partition = self.partition;
+        let mut build = self.build.input.execute(partition, Arc::clone(&self.context))?;
+        let reservation = MemoryConsumer::new(format!("SpillableHashJoin[{partition}]"))
+            .with_can_spill(true)
+            .register(self.context.memory_pool());
+        let mut held = Vec::new();
+        let mut held_bytes = 0usize;
+        let mut fits = true;
+        while let Some(batch) = build.next().await {
+            let batch = batch?;
+            let bytes = build_bytes(&batch);
+            held.push(batch);
+            if held_bytes + bytes > self.budget || reservation.try_grow(bytes).is_err() {
+                fits = false;
+                break;
+            }
+            held_bytes += bytes;
+        }
+        if fits {
+            // DataFusion's join takes the batches and reserves their memory
+            // itself.
+            drop(reservation);
+            let schema = build.schema();
+            let held = futures::stream::iter(held.into_iter().map(Ok));
+            self.build.hand_over(
+                partition,
+                Box::pin(RecordBatchStreamAdapter::new(schema, held)),
+            );
+            return self.join.execute(partition, Arc::clone(&self.context));
+        }
+
+        // Give up this partition's share of the join's dynamic filter:
+        // a join stream dropped before its build side is reported counts as
+        // cancelled, and DataFusion's filter then passes this partition's
+        // probe rows (the probe scan waits for every partition's report).
+        let build_schema = build.schema();
+        let probe_schema = self.probe.input.schema();
+        self.build.hand_over(
+            partition,
+            Box::pin(EmptyRecordBatchStream::new(Arc::clone(&build_schema))),
+        );
+        self.probe.hand_over(
+            partition,
+            Box::pin(EmptyRecordBatchStream::new(Arc::clone(&probe_schema))),
+        );
+        drop(self.join.execute(partition, Arc::clone(&self.context))?);
+
+        let (build_keys, probe_keys): (Vec<_>, Vec<_>) = self
+            .hash_join()
+            .on()
+            .iter()
+            .map(|(build, probe)| (Arc::clone(build), Arc::clone(probe)))
+            .unzip();
+        let build_spill = SpillManager::new(
+            self.context.runtime_env(),
+            self.spill.clone(),
+            Arc::clone(&build_schema),
+        );
+        let probe_spill = SpillManager::new(
+            self.context.runtime_env(),
+            self.spill.clone(),
+            Arc::clone(&probe_schema),
+        );
+
+        let mut build_parts = PartWriter::new(&build_spill, &build_keys, 0)?;
+        for batch in held.drain(..) {
+            build_parts.push(&batch)?;
+        }
+        drop(reservation);
+        while let Some(batch) = build.next().await {
+            build_parts.push(&batch?)?;
+        }
+        drop(build);
+        let build_parts = build_parts.finish()?;
+
+        let mut probe = self.probe.input.execute(partition, Arc::clone(&self.context))?;
+        let mut probe_parts = PartWriter::new(&probe_spill, &probe_keys, 0)?;
+        while let Some(batch) = probe.next().await {
+            probe_parts.push(&batch?)?;
+        }
+        drop(probe);
+        let probe_parts = probe_parts.finish()?;
+
+        let queue: VecDeque<Part> = build_parts
+            .into_iter()
+            .zip(probe_parts)
+            .map(|(build, probe)| Part {
+                build,
+                probe,
+                depth: 0,
+            })
+            .collect();
+        let joiner = Arc::new(PartJoiner {
+            join: Arc::clone(&self.join),
+            context: Arc::clone(&self.context),
+            budget: self.budget,
+            build_spill,
+            probe_spill,
+            build_keys,
+            probe_keys,
+            parts: self.parts.clone(),
+        });
+        let stream = futures::stream::try_unfold(queue, move |mut queue| {
+            let joiner = Arc::clone(&joiner);
+            async move {
+                while let Some(part) = queue.pop_front() {
+                    if part.build.is_none() && part.probe.is_none() {
+                        continue;
+                    }
+                    if part.build_bytes() > joiner.budget && part.depth < GRACE_DEPTH_MAX {
+                        for smaller in joiner.split(part).await? {
+                            queue.push_front(smaller);
+                        }
+                        continue;
+                    }
+                    let stream = joiner.join_part(part)?;
+                    return Ok(Some((stream, queue)));
+                }
+                Ok::<_, DataFusionError>(None)
+            }
+        })
+        .try_flatten();
+        Ok(Box::pin(RecordBatchStreamAdapter::new(self.join.schema(), stream)))
+    }
+}
+
+/// One spill file of rows whose keys hash to one part, and the memory its
+/// rows take when read back.
+struct SpilledPart {
+    file: Arc<dyn SpillFile>,
+    bytes: usize,
+}
+
+/// A build part and the probe part with the same key hashes.
+struct Part {
+    build: Option<SpilledPart>,
+    probe: Option<SpilledPart>,
+    /// Times these rows were partitioned already (minus one).
+    depth: usize,
+}
+
+impl Part {
+    fn build_bytes(&self) -> usize {
+        self.build.as_ref().map_or(0, |part| part.bytes)
+    }
+}
+
+/// Sends rows to [`GRACE_FAN_OUT`] spill files by a hash of their keys.
+struct PartWriter {
+    keys: Vec<Arc<dyn PhysicalExpr>>,
+    seed: RandomState,
+    /// Per part: append a batch (`Some`) or finish the file (`None`). The
+    /// spill file's writer type is DataFusion's own and unnamed here.
+    #[allow(clippy::type_complexity)]
+    files: Vec<Box<dyn FnMut(Option<&RecordBatch>) -> Result<Option<Arc<dyn SpillFile>>> + Send>>,
+    bytes: Vec<usize>,
+    hashes: Vec<u64>,
+}
+
+impl PartWriter {
+    fn new(spill: &SpillManager, keys: &[Arc<dyn PhysicalExpr>], depth: usize) -> Result<Self> {
+        let mut files = Vec::with_capacity(GRACE_FAN_OUT);
+        for _ in 0..GRACE_FAN_OUT {
+            let mut file = spill.create_in_progress_file("SpillableHashJoin part")?;
+            files.push(Box::new(move |batch: Option<&RecordBatch>| match batch {
+                Some(batch) => file.append_batch(batch).map(|_| None),
+                None => file.finish(),
+            })
+                as Box<dyn FnMut(Option<&RecordBatch>) -> Result<Option<Arc<dyn SpillFile>>> + Send>);
+        }
+        Ok(Self {
+            keys: keys.to_vec(),
+            seed: RandomState::with_seed(LEVEL_SEEDS[depth]),
+            files,
+            bytes: vec![0; GRACE_FAN_OUT],
+            hashes: Vec::new(),
+        })
+    }
+
+    fn push(&mut self, batch: &RecordBatch) -> Result<()> {
+        let rows = batch.num_rows();
+        if rows == 0 {
+            return Ok(());
+        }
+        let keys = self
+            .keys
+            .iter()
+            .map(|key| key.evaluate(batch)?.into_array(rows))
+            .collect::<Result<Vec<_>>>()?;
+        self.hashes.clear();
+        self.hashes.resize(rows, 0);
+        create_hashes(&keys, &self.seed, &mut self.hashes)?;
+        let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); GRACE_FAN_OUT];
+        for (row, hash) in self.hashes.iter().enumerate() {
+            rows_of[(*hash % GRACE_FAN_OUT as u64) as usize].push(row as u32);
+        }
+        for (part, rows) in rows_of.into_iter().enumerate() {
+            if rows.is_empty() {
+                continue;
+            }
+            let rows = take_record_batch(batch, &UInt32Array::from(rows))?;
+            self.bytes[part] += build_bytes(&rows);
+            (self.files[part])(Some(&rows))?;
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<Vec<Option<SpilledPart>>> {
+        let mut parts = Vec::with_capacity(GRACE_FAN_OUT);
+        for (file, bytes) in self.files.iter_mut().zip(&self.bytes) {
+            parts.push(file(None)?.map(|file| SpilledPart {
+                file,
+                bytes: *bytes,
+            }));
+        }
+        Ok(parts)
+    }
+}
+
+/// Joins spilled parts, each with DataFusion's hash join.
+struct PartJoiner {
+    join: Arc<dyn ExecutionPlan>,
+    context: Arc<TaskContext>,
+    budget: usize,
+    build_spill: SpillManager,
+    probe_spill: SpillManager,
+    build_keys: Vec<Arc<dyn PhysicalExpr>>,
+    probe_keys: Vec<Arc<dyn PhysicalExpr>>,
+    parts: Count,
+}
+
+impl PartJoiner {
+    fn read(spill: &SpillManager, part: Option<SpilledPart>) -> Result<SendableRecordBatchStream> {
+        match part {
+            Some(part) => spill.read_spill_as_stream(part.file, None),
+            None => Ok(Box::pin(EmptyRecordBatchStream::new(Arc::clone(spill.schema())))),
+        }
+    }
+
+    /// `part` partitioned again with the next level's hash.
+    async fn split(&self, part: Part) -> Result<Vec<Part>> {
+        let depth = part.depth + 1;
+        let mut build_parts = PartWriter::new(&self.build_spill, &self.build_keys, depth)?;
+        let mut rows = Self::read(&self.build_spill, part.build)?;
+        while let Some(batch) = rows.next().await {
+            build_parts.push(&batch?)?;
+        }
+        let mut probe_parts = PartWriter::new(&self.probe_spill, &self.probe_keys, depth)?;
+        let mut rows = Self::read(&self.probe_spill, part.probe)?;
+        while let Some(batch) = rows.next().await {
+            probe_parts.push(&batch?)?;
+        }
+        Ok(build_parts
+            .finish()?
+            .into_iter()
+            .zip(probe_parts.finish()?)
+            .map(|(build, probe)| Part {
+                build,
+                probe,
+                depth,
+            })
+            .collect())
+    }
+
+    /// DataFusion's hash join of one build part with its probe part.
+    fn join_part(&self, part: Part) -> Result<SendableRecordBatchStream> {
+        self.parts.add(1);
+        let join = self
+            .join
+            .downcast_ref::<HashJoinExec>()
+            .expect("checked in execute");
+        let build = OnceStreamExec::new(Self::read(&self.build_spill, part.build)?);
+        let probe = OnceStreamExec::new(Self::read(&self.probe_spill, part.probe)?);
+        let part_join = join
+            .builder()
+            .reset_state()
+            .recompute_properties()
+            .with_partition_mode(PartitionMode::CollectLeft)
+            .with_new_children(vec![Arc::new(build), Arc::new(probe)])?
+            .build()?;
+        part_join.execute(0, Arc::clone(&self.context))
+    }
+}
+
+/// A join input that passes its child through, except for partitions whose
+/// stream its [`SpillableHashJoinExec`] handed over for the join to take.
+#[derive(Debug, Clone)]
+pub struct JoinInputExec {
+    input: Arc<dyn ExecutionPlan>,
+    handed: Arc<Mutex<HashMap<usize, SendableRecordBatchStreamSlot>>>,
+}
+
+/// A stream waiting in a [`JoinInputExec`] (wrapped for `Debug`).
+struct SendableRecordBatchStreamSlot(SendableRecordBatchStream);
+
+impl fmt::Debug for SendableRecordBatchStreamSlot {
+    fn fmt(&self, formatter: &mut fmt::Formatter) -> fmt::Result {
+        formatter.write_str("stream")
+    }
+}
+
+impl JoinInputExec {
+    fn new(input: Arc<dyn ExecutionPlan>) -> Self {
+        Self {
+            input,
+            handed: Arc::default(),
+        }
+    }
+
+    /// The stream the next `execute(partition)` returns.
+    fn hand_over(&self, partition: usize, stream: SendableRecordBatchStream) {
+        self.handed
+            .lock()
+            .expect("never poisoned")
+            .insert(partition, SendableRecordBatchStreamSlot(stream));
+    }
+}
+
+impl DisplayAs for JoinInputExec {
+    fn fmt_as(&self, _format: DisplayFormatType, formatter: &mut fmt::Formatter) -> fmt::Result {
+        formatter.write_str("JoinInputExec")
+    }
+}
+
+impl ExecutionPlan for JoinInputExec {
+    fn name(&self) -> &str {
+        "JoinInputExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        self.input.properties()
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.input]
+    }
+
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![true]
+    }
+
+    fn benefits_from_input_partitioning(&self) -> Vec<bool> {
+        vec![false]
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let [input] = &children[..] else {
+            return internal_err!("JoinInputExec has one child");
+        };
+        Ok(Arc::new(Self::new(Arc::clone(input))))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let handed = self.handed.lock().expect("never poisoned").remove(&partition);
+        match handed {
+            Some(SendableRecordBatchStreamSlot(stream)) => Ok(stream),
+            None => self.input.execute(partition, context),
+        }
+    }
+}
+
+/// A leaf of one partition that returns a given stream once.
+struct OnceStreamExec {
+    stream: Mutex<Option<SendableRecordBatchStream>>,
+    properties: Arc<PlanProperties>,
+}
+
+impl OnceStreamExec {
+    fn new(stream: SendableRecordBatchStream) -> Self {
+        let schema: SchemaRef = stream.schema();
+        Self {
+            stream: Mutex::new(Some(stream)),
+            properties: Arc::new(PlanProperties::new(
+                EquivalenceProperties::new(schema),
+                Partitioning::UnknownPartitioning(1),
+                EmissionType::Incremental,
+                Boundedness::Bounded,
+            )),
+        }
+    }
+}
+
+impl fmt::Debug for OnceStreamExec {
+    fn fmt(&self, formatter: &mut fmt::Formatter) -> fmt::Result {
+        formatter.write_str("OnceStreamExec")
+    }
+}
+
+impl DisplayAs for OnceStreamExec {
+    fn fmt_as(&self, _format: DisplayFormatType, formatter: &mut fmt::Formatter) -> fmt::Result {
+        formatter.write_str("OnceStreamExec: a spilled join part")
+    }
+}
+
+impl ExecutionPlan for OnceStreamExec {
+    fn name(&self) -> &str {
+        "OnceStreamExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.properties
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![]
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        if children.is_empty() {
+            Ok(self)
+        } else {
+            internal_err!("OnceStreamExec has no children")
+        }
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        _context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        match self.stream.lock().expect("never poisoned").take() {
+            Some(stream) if partition == 0 => Ok(stream),
+            _ => internal_err!("OnceStreamExec runs once, as partition 0"),
+        }
+    }
+}
