@@ -1,8 +1,9 @@
 //! The compute node's memory bound (`sieve_compute::memory`): a session has
 //! a bounded pool by default; under a small one, sorts and aggregations
-//! spill and keep plain DataFusion's answers (NDP on and off), and a hash
-//! join whose build side passes the bound fails with a clear error and
-//! leaves the session usable.
+//! spill and keep plain DataFusion's answers (NDP on and off), so do hash
+//! joins whose build side passes it (partitioned to disk by key hash), and
+//! one whose build side cannot be split below the bound (one key's rows)
+//! fails with a clear error and leaves the session usable.
 
 use std::sync::Arc;
 
@@ -86,20 +87,34 @@ async fn under_a_small_pool_sorts_and_aggregations_spill_and_keep_their_answers(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_build_side_past_the_pool_is_a_clear_error_and_the_session_goes_on() {
+async fn a_build_side_past_the_pool_spills_and_one_that_cannot_be_split_is_a_clear_error() {
     let root = common::small_slices(1);
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
     let session = connect_session(&cluster.urls(), Some(cluster.secret()))
         .await
         .unwrap();
+    let reference = reference_context(&root, NODES).await.unwrap();
+    // Build sides of about 20 MB: partitioned by key hash to disk and
+    // joined part by part.
     let join = "select count(*) from lineitem a join lineitem b \
                 on a.l_comment = b.l_comment and a.l_orderkey <> b.l_orderkey";
+    // Seven keys (ship modes), each with megabytes of build rows, and no
+    // other equality: parts cannot be split below one key.
+    let skewed = "select count(*) from lineitem a join lineitem b \
+                  on a.l_shipmode = b.l_shipmode and a.l_orderkey > b.l_orderkey + 1000000000";
     session
-        .apply_settings(&["datafusion.runtime.memory_limit=512K".into()])
+        .apply_settings(&[
+            "datafusion.runtime.memory_limit=512K".into(),
+            "datafusion.execution.target_partitions=2".into(),
+        ])
         .unwrap();
+    let expected = rows_as_text(&run(&reference, join).await.unwrap(), false).unwrap();
     for on in [true, false] {
         session.set_ndp(on).unwrap();
-        let error = run(&session.context, join).await.unwrap_err().to_string();
+        let (actual, spilled) = run_counting_spills(&session, join).await;
+        assert_eq!(actual, expected, "NDP {on}: {join}");
+        assert!(spilled > 0, "NDP {on}: the join did not spill under 512 KB");
+        let error = run(&session.context, skewed).await.unwrap_err().to_string();
         assert!(
             error.contains("Resources exhausted"),
             "NDP {on}: not a memory error: {error}"
@@ -110,11 +125,10 @@ async fn a_build_side_past_the_pool_is_a_clear_error_and_the_session_goes_on() {
         .unwrap_err()
         .to_string();
     assert!(bad.contains("datafusion.runtime.memory_limit"), "{bad}");
+    // The session goes on, with its memory back.
     session
         .apply_settings(&["datafusion.runtime.memory_limit=auto".into()])
         .unwrap();
-    let reference = reference_context(&root, NODES).await.unwrap();
-    let expected = rows_as_text(&run(&reference, join).await.unwrap(), false).unwrap();
     let actual = rows_as_text(&run(&session.context, join).await.unwrap(), false).unwrap();
     assert_eq!(actual, expected);
 }

@@ -51,8 +51,8 @@ use datafusion::common::config::ConfigOptions;
 use datafusion::common::hash_utils::{create_hashes, RandomState};
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::{internal_err, DataFusionError, Result};
+use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::SpillFile;
-use datafusion::execution::memory_pool::MemoryConsumer;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::{EquivalenceProperties, Partitioning, PhysicalExpr};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
@@ -130,7 +130,7 @@ impl PhysicalOptimizerRule for SpillHashJoins {
                 ReplaceChildrenOptions::new(ChildrenPropertiesMode::Keep),
             )?;
             Ok(Transformed::yes(
-                Arc::new(SpillableHashJoinExec::new(join, budget)) as Arc<dyn ExecutionPlan>
+                Arc::new(SpillableHashJoinExec::new(join, budget)) as Arc<dyn ExecutionPlan>,
             ))
         })
         .map(|transformed| transformed.data)
@@ -257,7 +257,10 @@ impl ExecutionPlan for SpillableHashJoinExec {
             parts: MetricBuilder::new(&self.metrics).counter("spilled_join_parts", partition),
         };
         let stream = futures::stream::once(run.run()).try_flatten();
-        Ok(Box::pin(RecordBatchStreamAdapter::new(self.join.schema(), stream)))
+        Ok(Box::pin(RecordBatchStreamAdapter::new(
+            self.join.schema(),
+            stream,
+        )))
     }
 }
 
@@ -288,7 +291,10 @@ impl JoinPartition {
 
     async fn run(self) -> Result<SendableRecordBatchStream> {
         let partition = self.partition;
-        let mut build = self.build.input.execute(partition, Arc::clone(&self.context))?;
+        let mut build = self
+            .build
+            .input
+            .execute(partition, Arc::clone(&self.context))?;
         let reservation = MemoryConsumer::new(format!("SpillableHashJoin[{partition}]"))
             .with_can_spill(true)
             .register(self.context.memory_pool());
@@ -362,7 +368,10 @@ impl JoinPartition {
         drop(build);
         let build_parts = build_parts.finish()?;
 
-        let mut probe = self.probe.input.execute(partition, Arc::clone(&self.context))?;
+        let mut probe = self
+            .probe
+            .input
+            .execute(partition, Arc::clone(&self.context))?;
         let mut probe_parts = PartWriter::new(&probe_spill, &probe_keys, 0)?;
         while let Some(batch) = probe.next().await {
             probe_parts.push(&batch?)?;
@@ -388,6 +397,9 @@ impl JoinPartition {
             build_keys,
             probe_keys,
             parts: self.parts.clone(),
+            room: MemoryConsumer::new(format!("SpillableHashJoin[{partition}] parts"))
+                .with_can_spill(true)
+                .register(self.context.memory_pool()),
         });
         let stream = futures::stream::try_unfold(queue, move |mut queue| {
             let joiner = Arc::clone(&joiner);
@@ -396,7 +408,7 @@ impl JoinPartition {
                     if part.build.is_none() && part.probe.is_none() {
                         continue;
                     }
-                    if part.build_bytes() > joiner.budget && part.depth < GRACE_DEPTH_MAX {
+                    if part.depth < GRACE_DEPTH_MAX && !joiner.fits(&part) {
                         for smaller in joiner.split(part).await? {
                             queue.push_front(smaller);
                         }
@@ -409,7 +421,10 @@ impl JoinPartition {
             }
         })
         .try_flatten();
-        Ok(Box::pin(RecordBatchStreamAdapter::new(self.join.schema(), stream)))
+        Ok(Box::pin(RecordBatchStreamAdapter::new(
+            self.join.schema(),
+            stream,
+        )))
     }
 }
 
@@ -455,7 +470,9 @@ impl PartWriter {
                 Some(batch) => file.append_batch(batch).map(|_| None),
                 None => file.finish(),
             })
-                as Box<dyn FnMut(Option<&RecordBatch>) -> Result<Option<Arc<dyn SpillFile>>> + Send>);
+                as Box<
+                    dyn FnMut(Option<&RecordBatch>) -> Result<Option<Arc<dyn SpillFile>>> + Send,
+                >);
         }
         Ok(Self {
             keys: keys.to_vec(),
@@ -516,13 +533,29 @@ struct PartJoiner {
     build_keys: Vec<Arc<dyn PhysicalExpr>>,
     probe_keys: Vec<Arc<dyn PhysicalExpr>>,
     parts: Count,
+    /// Asks the pool whether a part's build side would fit now.
+    room: MemoryReservation,
 }
 
 impl PartJoiner {
+    /// Whether `part`'s build side fits the budget and the pool's room for
+    /// it (asked, then given back: the part's join reserves it itself).
+    fn fits(&self, part: &Part) -> bool {
+        let bytes = part.build_bytes();
+        if bytes > self.budget {
+            return false;
+        }
+        let fits = self.room.try_grow(bytes).is_ok();
+        self.room.free();
+        fits
+    }
+
     fn read(spill: &SpillManager, part: Option<SpilledPart>) -> Result<SendableRecordBatchStream> {
         match part {
             Some(part) => spill.read_spill_as_stream(part.file, None),
-            None => Ok(Box::pin(EmptyRecordBatchStream::new(Arc::clone(spill.schema())))),
+            None => Ok(Box::pin(EmptyRecordBatchStream::new(Arc::clone(
+                spill.schema(),
+            )))),
         }
     }
 
@@ -654,7 +687,11 @@ impl ExecutionPlan for JoinInputExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
-        let handed = self.handed.lock().expect("never poisoned").remove(&partition);
+        let handed = self
+            .handed
+            .lock()
+            .expect("never poisoned")
+            .remove(&partition);
         match handed {
             Some(SendableRecordBatchStreamSlot(stream)) => Ok(stream),
             None => self.input.execute(partition, context),
