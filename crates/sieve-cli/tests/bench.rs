@@ -244,7 +244,8 @@ fn a_query_a_mode_cannot_run_is_recorded_and_the_others_still_run() {
     let mark = format!("failing-{}", std::process::id());
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(&mark);
     let _ = std::fs::remove_dir_all(&out);
-    // Q18's hash joins cannot build in 256 KiB; Q6 (one sum) needs no pool.
+    // With hash joins kept in memory, Q18's cannot build in 256 KiB; Q6
+    // (one sum) needs no pool.
     let output = bench(
         &mark,
         &out,
@@ -259,6 +260,8 @@ fn a_query_a_mode_cannot_run_is_recorded_and_the_others_still_run() {
             "q18",
             "--set",
             "datafusion.runtime.memory_limit=256K",
+            "--set",
+            "sieve.join_build_bytes_max=0",
         ],
     )
     .output()
@@ -273,17 +276,62 @@ fn a_query_a_mode_cannot_run_is_recorded_and_the_others_still_run() {
         serde_json::from_slice(&std::fs::read(out.join("results.json")).expect("results.json"))
             .expect("results.json is JSON");
     let failed = report["failed"].as_array().expect("failed");
-    assert_eq!(failed.len(), 1, "{failed:?}");
-    assert_eq!(failed[0]["query"], "q18");
-    assert!(
-        failed[0]["error"]
-            .as_str()
-            .unwrap()
-            .contains("Resources exhausted"),
-        "{failed:?}"
-    );
+    assert!(!failed.is_empty(), "{failed:?}");
+    for failure in failed {
+        assert_eq!(failure["query"], "q18");
+        assert!(
+            failure["error"]
+                .as_str()
+                .unwrap()
+                .contains("Resources exhausted"),
+            "{failed:?}"
+        );
+    }
     let queries = report["queries"].as_array().expect("queries");
     assert_eq!(queries.len(), 1);
     assert_eq!(queries[0]["name"], "q6");
     assert_eq!(queries[0]["modes"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn when_one_mode_fails_a_query_the_other_modes_times_are_kept() {
+    let mark = format!("one-mode-{}", std::process::id());
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(&mark);
+    let _ = std::fs::remove_dir_all(&out);
+    // A storage node silent for 1 ms fails NDP's slice requests; NDP off
+    // reads byte ranges under its own timeout.
+    let output = bench(
+        &mark,
+        &out,
+        &[
+            "--runs",
+            "1",
+            "--modes",
+            "ndp,off",
+            "--query",
+            "q6",
+            "--set",
+            "sieve.storage_timeout_ms=1",
+        ],
+    )
+    .output()
+    .expect("sieve bench runs");
+    let (stdout, stderr) = text(&output);
+    assert!(
+        output.status.success(),
+        "sieve bench failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("| q6 | failed with ndp: "), "{stdout}");
+    assert!(stdout.contains("; off "), "{stdout}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).expect("results.json"))
+            .expect("results.json is JSON");
+    let failed = report["failed"].as_array().expect("failed");
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed[0]["mode"], "ndp");
+    let others = failed[0]["others_wall_ms"].as_array().expect("others");
+    assert_eq!(others.len(), 1, "{others:?}");
+    assert_eq!(others[0][0], "off");
+    assert!(others[0][1].as_f64().unwrap() > 0.0, "{others:?}");
+    assert!(report["queries"].as_array().expect("queries").is_empty());
 }

@@ -12,14 +12,18 @@
 //!  ├─ it ends within sieve.join_build_bytes_max and the pool's share:
 //!  │    DataFusion's own HashJoinExec runs the partition over the batches
 //!  │    held (dynamic filter, join filters and metrics as ever)
-//!  └─ it does not:
+//!  └─ it does not (a hybrid hash join):
 //!       the partition's dynamic filter is given up (DataFusion lets it
 //!       pass every probe row of this partition, as for a cancelled one);
-//!       build rows, then probe rows, go by a hash of the join keys into
-//!       GRACE_FAN_OUT spill files each (DataFusion's SpillManager, the
-//!       session's disk manager and its limit); then for each part, a
-//!       HashJoinExec (same keys, type, filter, projection, NULL
-//!       semantics) joins build part i with probe part i. A part still too
+//!       build rows go by a hash of the join keys into GRACE_FAN_OUT parts,
+//!       all in memory at first; while they pass the budget (or the pool's
+//!       share), the largest part in memory goes to its spill file
+//!       (DataFusion's SpillManager, the session's disk manager and its
+//!       limit) and its later rows follow it there. Probe rows of parts in
+//!       memory stream into a HashJoinExec (same keys, type, filter,
+//!       projection, NULL semantics) over those parts; probe rows of
+//!       spilled parts go to spill files. Then each spilled build part is
+//!       joined with its probe part the same way. A spilled part still too
 //!       large is partitioned again with another hash seed, at most
 //!       GRACE_DEPTH_MAX times (beyond, one key's rows: joined in memory).
 //! ```
@@ -179,8 +183,8 @@ impl DisplayAs for SpillableHashJoinExec {
     fn fmt_as(&self, _format: DisplayFormatType, formatter: &mut fmt::Formatter) -> fmt::Result {
         write!(
             formatter,
-            "SpillableHashJoinExec: build side held up to {} MiB per partition, beyond joined in {} parts from disk",
-            self.budget >> 20,
+            "SpillableHashJoinExec: build side held up to {} KiB per partition, beyond in {} parts, the largest on disk",
+            self.budget >> 10,
             GRACE_FAN_OUT
         )
     }
@@ -357,37 +361,36 @@ impl JoinPartition {
             Arc::clone(&probe_schema),
         );
 
+        // Build rows by part: every part starts in memory; while they take
+        // more than the budget (or the pool's share), the largest part
+        // still in memory goes to its spill file, and its later rows follow.
         let mut build_parts = PartWriter::new(&build_spill, &build_keys, 0)?;
+        let mut resident = ResidentParts::new(reservation, self.budget);
         for batch in held.drain(..) {
-            build_parts.push(&batch)?;
+            for (part, rows) in build_parts.split(&batch)? {
+                resident.add(part, rows, &mut build_parts)?;
+            }
         }
-        drop(reservation);
         while let Some(batch) = build.next().await {
-            build_parts.push(&batch?)?;
+            for (part, rows) in build_parts.split(&batch?)? {
+                resident.add(part, rows, &mut build_parts)?;
+            }
         }
         drop(build);
         let build_parts = build_parts.finish()?;
+        let (in_memory, resident_build, reservation) = resident.into_parts();
 
-        let mut probe = self
+        // Probe rows of parts in memory go to their join at once; the rest
+        // to spill files, read once the parts in memory are done.
+        let probe = self
             .probe
             .input
             .execute(partition, Arc::clone(&self.context))?;
-        let mut probe_parts = PartWriter::new(&probe_spill, &probe_keys, 0)?;
-        while let Some(batch) = probe.next().await {
-            probe_parts.push(&batch?)?;
-        }
-        drop(probe);
-        let probe_parts = probe_parts.finish()?;
-
-        let queue: VecDeque<Part> = build_parts
-            .into_iter()
-            .zip(probe_parts)
-            .map(|(build, probe)| Part {
-                build,
-                probe,
-                depth: 0,
-            })
-            .collect();
+        let probe_split = Arc::new(tokio::sync::Mutex::new(ProbeSplit {
+            input: Some(probe),
+            writer: Some(PartWriter::new(&probe_spill, &probe_keys, 0)?),
+            in_memory: in_memory.clone(),
+        }));
         let joiner = Arc::new(PartJoiner {
             join: Arc::clone(&self.join),
             context: Arc::clone(&self.context),
@@ -401,30 +404,169 @@ impl JoinPartition {
                 .with_can_spill(true)
                 .register(self.context.memory_pool()),
         });
-        let stream = futures::stream::try_unfold(queue, move |mut queue| {
+        let resident_join = if in_memory.iter().any(|part| *part) {
+            let rows = futures::stream::unfold(Arc::clone(&probe_split), |split| async move {
+                let next = split.lock().await.next_in_memory().await;
+                next.map(|rows| (rows, split))
+            });
+            let probe = Box::pin(RecordBatchStreamAdapter::new(
+                Arc::clone(&probe_schema),
+                rows,
+            ));
+            let build = futures::stream::iter(resident_build.into_iter().map(Ok));
+            let build = Box::pin(RecordBatchStreamAdapter::new(
+                Arc::clone(&build_schema),
+                build,
+            ));
+            // The join reserves the memory of its build side itself.
+            drop(reservation);
+            Some(joiner.join_streams(build, probe)?)
+        } else {
+            None
+        };
+
+        let spilled = {
             let joiner = Arc::clone(&joiner);
-            async move {
-                while let Some(part) = queue.pop_front() {
-                    if part.build.is_none() && part.probe.is_none() {
-                        continue;
-                    }
-                    if part.depth < GRACE_DEPTH_MAX && !joiner.fits(&part) {
-                        for smaller in joiner.split(part).await? {
-                            queue.push_front(smaller);
-                        }
-                        continue;
-                    }
-                    let stream = joiner.join_part(part)?;
-                    return Ok(Some((stream, queue)));
-                }
-                Ok::<_, DataFusionError>(None)
-            }
-        })
-        .try_flatten();
+            let probe_split = Arc::clone(&probe_split);
+            futures::stream::once(async move {
+                // Whatever the join in memory did not read (it may stop
+                // early, e.g. over an empty build side) still holds the
+                // spilled parts' probe rows.
+                let probe_parts = probe_split.lock().await.finish().await?;
+                let queue: VecDeque<Part> = build_parts
+                    .into_iter()
+                    .zip(probe_parts)
+                    .map(|(build, probe)| Part {
+                        build,
+                        probe,
+                        depth: 0,
+                    })
+                    .collect();
+                Ok::<_, DataFusionError>(joiner.join_queue(queue))
+            })
+            .try_flatten()
+        };
+        let stream = match resident_join {
+            Some(first) => first.chain(spilled).boxed(),
+            None => spilled.boxed(),
+        };
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             self.join.schema(),
             stream,
         )))
+    }
+}
+
+/// The build parts a partition keeps in memory, within its budget and its
+/// reservation in the pool.
+struct ResidentParts {
+    /// Per part: its batches while in memory, `None` once spilled.
+    batches: Vec<Option<Vec<RecordBatch>>>,
+    bytes: Vec<usize>,
+    total: usize,
+    budget: usize,
+    reservation: MemoryReservation,
+}
+
+impl ResidentParts {
+    fn new(reservation: MemoryReservation, budget: usize) -> Self {
+        Self {
+            batches: (0..GRACE_FAN_OUT).map(|_| Some(Vec::new())).collect(),
+            bytes: vec![0; GRACE_FAN_OUT],
+            total: 0,
+            budget,
+            reservation,
+        }
+    }
+
+    /// `rows` of build part `part`: kept, or written where the part went.
+    fn add(&mut self, part: usize, rows: RecordBatch, writer: &mut PartWriter) -> Result<()> {
+        let Some(batches) = &mut self.batches[part] else {
+            return writer.write(part, &rows);
+        };
+        let bytes = build_bytes(&rows);
+        batches.push(rows);
+        self.bytes[part] += bytes;
+        self.total += bytes;
+        while self.total > self.budget || self.reservation.try_resize(self.total).is_err() {
+            let largest = (0..GRACE_FAN_OUT)
+                .filter(|part| self.batches[*part].is_some())
+                .max_by_key(|part| self.bytes[*part]);
+            let Some(largest) = largest else { break };
+            for rows in self.batches[largest].take().unwrap_or_default() {
+                writer.write(largest, &rows)?;
+            }
+            self.total -= self.bytes[largest];
+            self.bytes[largest] = 0;
+        }
+        self.reservation.resize(self.total);
+        Ok(())
+    }
+
+    /// Which parts stayed in memory, their batches, and their reservation.
+    fn into_parts(self) -> (Vec<bool>, Vec<RecordBatch>, MemoryReservation) {
+        let in_memory = self.batches.iter().map(Option::is_some).collect();
+        let batches = self.batches.into_iter().flatten().flatten().collect();
+        (in_memory, batches, self.reservation)
+    }
+}
+
+/// The probe side of a partition split between the parts kept in memory
+/// (handed to their join as it reads) and the spilled ones (written).
+struct ProbeSplit {
+    input: Option<SendableRecordBatchStream>,
+    writer: Option<PartWriter>,
+    in_memory: Vec<bool>,
+}
+
+impl ProbeSplit {
+    /// The next probe rows of parts in memory, writing the others.
+    async fn next_in_memory(&mut self) -> Option<Result<RecordBatch>> {
+        loop {
+            let batch = match self.input.as_mut()?.next().await {
+                Some(Ok(batch)) => batch,
+                Some(Err(error)) => return Some(Err(error)),
+                None => {
+                    self.input = None;
+                    return None;
+                }
+            };
+            let writer = self.writer.as_mut()?;
+            let mut kept = Vec::new();
+            let split = match writer.split(&batch) {
+                Ok(split) => split,
+                Err(error) => return Some(Err(error)),
+            };
+            for (part, rows) in split {
+                if self.in_memory[part] {
+                    kept.push(rows);
+                } else if let Err(error) = writer.write(part, &rows) {
+                    return Some(Err(error));
+                }
+            }
+            match kept.len() {
+                0 => continue,
+                1 => return kept.pop().map(Ok),
+                _ => {
+                    return Some(
+                        arrow::compute::concat_batches(&batch.schema(), &kept)
+                            .map_err(DataFusionError::from),
+                    )
+                }
+            }
+        }
+    }
+
+    /// The spilled parts' probe rows, once the input is read to its end
+    /// (rows of parts in memory not read by their join are not needed).
+    async fn finish(&mut self) -> Result<Vec<Option<SpilledPart>>> {
+        while let Some(batch) = self.next_in_memory().await {
+            batch?;
+        }
+        match self.writer.take() {
+            Some(writer) => writer.finish(),
+            None => internal_err!("SpillableHashJoinExec: probe parts finished twice"),
+        }
     }
 }
 
@@ -483,10 +625,11 @@ impl PartWriter {
         })
     }
 
-    fn push(&mut self, batch: &RecordBatch) -> Result<()> {
+    /// `batch`'s rows by part (parts without rows left out).
+    fn split(&mut self, batch: &RecordBatch) -> Result<Vec<(usize, RecordBatch)>> {
         let rows = batch.num_rows();
         if rows == 0 {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let keys = self
             .keys
@@ -500,13 +643,30 @@ impl PartWriter {
         for (row, hash) in self.hashes.iter().enumerate() {
             rows_of[(*hash % GRACE_FAN_OUT as u64) as usize].push(row as u32);
         }
+        let mut parts = Vec::new();
         for (part, rows) in rows_of.into_iter().enumerate() {
             if rows.is_empty() {
                 continue;
             }
-            let rows = take_record_batch(batch, &UInt32Array::from(rows))?;
-            self.bytes[part] += build_bytes(&rows);
-            (self.files[part])(Some(&rows))?;
+            if rows.len() == batch.num_rows() {
+                parts.push((part, batch.clone()));
+            } else {
+                parts.push((part, take_record_batch(batch, &UInt32Array::from(rows))?));
+            }
+        }
+        Ok(parts)
+    }
+
+    /// Append `rows` to part `part`'s file.
+    fn write(&mut self, part: usize, rows: &RecordBatch) -> Result<()> {
+        self.bytes[part] += build_bytes(rows);
+        (self.files[part])(Some(rows))?;
+        Ok(())
+    }
+
+    fn push(&mut self, batch: &RecordBatch) -> Result<()> {
+        for (part, rows) in self.split(batch)? {
+            self.write(part, &rows)?;
         }
         Ok(())
     }
@@ -584,15 +744,55 @@ impl PartJoiner {
             .collect())
     }
 
+    /// The spilled parts joined one after another (split again where one
+    /// does not fit).
+    fn join_queue(
+        self: Arc<Self>,
+        queue: VecDeque<Part>,
+    ) -> impl futures::Stream<Item = Result<RecordBatch>> + Send {
+        futures::stream::try_unfold(queue, move |mut queue| {
+            let joiner = Arc::clone(&self);
+            async move {
+                while let Some(part) = queue.pop_front() {
+                    if part.build.is_none() && part.probe.is_none() {
+                        continue;
+                    }
+                    if part.depth < GRACE_DEPTH_MAX && !joiner.fits(&part) {
+                        for smaller in joiner.split(part).await? {
+                            queue.push_front(smaller);
+                        }
+                        continue;
+                    }
+                    let stream = joiner.join_part(part)?;
+                    return Ok(Some((stream, queue)));
+                }
+                Ok::<_, DataFusionError>(None)
+            }
+        })
+        .try_flatten()
+    }
+
     /// DataFusion's hash join of one build part with its probe part.
     fn join_part(&self, part: Part) -> Result<SendableRecordBatchStream> {
         self.parts.add(1);
+        let build = Self::read(&self.build_spill, part.build)?;
+        let probe = Self::read(&self.probe_spill, part.probe)?;
+        self.join_streams(build, probe)
+    }
+
+    /// DataFusion's hash join (the wrapped join's keys, type, filter,
+    /// projection and NULL semantics) of `build` with `probe`.
+    fn join_streams(
+        &self,
+        build: SendableRecordBatchStream,
+        probe: SendableRecordBatchStream,
+    ) -> Result<SendableRecordBatchStream> {
         let join = self
             .join
             .downcast_ref::<HashJoinExec>()
             .expect("checked in execute");
-        let build = OnceStreamExec::new(Self::read(&self.build_spill, part.build)?);
-        let probe = OnceStreamExec::new(Self::read(&self.probe_spill, part.probe)?);
+        let build = OnceStreamExec::new(build);
+        let probe = OnceStreamExec::new(probe);
         let part_join = join
             .builder()
             .reset_state()

@@ -248,11 +248,19 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
     };
     let mut reports = Vec::with_capacity(queries.len());
     let mut failed = Vec::new();
-    'queries: for (name, sql) in queries {
+    for (name, sql) in queries {
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); options.modes.len()];
         let mut answers: Vec<Option<Answer>> = vec![None; options.modes.len()];
+        // A query a mode cannot run (the memory pool exhausted, say) is
+        // recorded with the other modes' times and left out of the table
+        // and the totals; the other modes and queries still run.
+        let mut errors: Vec<Option<String>> = vec![None; options.modes.len()];
         for round in 0..rounds {
             for (index, &mode) in options.modes.iter().enumerate() {
+                if errors[index].is_some() {
+                    progress.inc(1);
+                    continue;
+                }
                 progress.set_message(format!(
                     "{name} {} ({})",
                     mode.name(),
@@ -262,8 +270,6 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
                         format!("run {}", round - warmups + 1)
                     }
                 ));
-                // A query a mode cannot run (the memory pool exhausted, say)
-                // is recorded and left out; the other queries still run.
                 let (sample, answer) = match context.measure(mode, sql, round < warmups).await {
                     Ok(measured) => measured,
                     Err(error) => {
@@ -272,13 +278,9 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
                             &progress,
                             format!("{name} {}: failed: {error}", mode.name()),
                         );
-                        failed.push(FailedQuery {
-                            query: name.to_string(),
-                            mode: mode.name().to_string(),
-                            error,
-                        });
-                        progress.inc((rounds * options.modes.len()) as u64);
-                        continue 'queries;
+                        errors[index] = Some(error);
+                        progress.inc(1);
+                        continue;
                     }
                 };
                 samples[index].push(sample);
@@ -288,6 +290,36 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
                 }
                 progress.inc(1);
             }
+        }
+        if errors.iter().any(Option::is_some) {
+            let others: Vec<(String, f64)> = options
+                .modes
+                .iter()
+                .zip(&samples)
+                .zip(&errors)
+                .filter(|(_, error)| error.is_none())
+                .map(|((mode, samples), _)| {
+                    let mut walls: Vec<f64> = samples
+                        .iter()
+                        .filter(|sample| !sample.warmup)
+                        .map(|sample| sample.wall_ms)
+                        .collect();
+                    walls.sort_by(f64::total_cmp);
+                    let median = walls.get(walls.len() / 2).copied().unwrap_or(f64::NAN);
+                    (mode.name().to_string(), median)
+                })
+                .collect();
+            for (mode, error) in options.modes.iter().zip(errors) {
+                if let Some(error) = error {
+                    failed.push(FailedQuery {
+                        query: name.to_string(),
+                        mode: mode.name().to_string(),
+                        error,
+                        others_wall_ms: others.clone(),
+                    });
+                }
+            }
+            continue;
         }
         let modes: Vec<ModeReport> = options
             .modes

@@ -240,6 +240,8 @@ pub struct FailedQuery {
     pub mode: String,
     /// The error.
     pub error: String,
+    /// The other modes' median times on the query, ms (those that ran it).
+    pub others_wall_ms: Vec<(String, f64)>,
 }
 
 /// Totals of one mode over all queries (sums of medians).
@@ -393,11 +395,17 @@ impl BenchReport {
         }
         for failed in &self.failed {
             let error = failed.error.lines().next().unwrap_or_default();
+            let others: Vec<String> = failed
+                .others_wall_ms
+                .iter()
+                .map(|(mode, ms)| format!("; {mode} {ms:.1} ms"))
+                .collect();
             out.push_str(&format!(
-                "| {} | failed with {}: {} |\n",
+                "| {} | failed with {}: {}{} |\n",
                 failed.query,
                 failed.mode,
-                error.replace('|', "/")
+                error.replace('|', "/"),
+                others.concat()
             ));
         }
         let totals = self.totals();
