@@ -265,6 +265,23 @@ async fn joins_over_null_keys_equal_plain_datafusion() {
         parts_joined(&plan) > GRACE_FAN_OUT,
         "parts were not partitioned again: {plan}"
     );
+    // Its partitions spilled, so DataFusion's filter knows none of their
+    // build sides; the probe scan still gets the collected keys' range and
+    // membership test.
+    let probe = plan
+        .lines()
+        .find_map(|line| {
+            let from_b = line.split("join filter from b: ").nth(1)?;
+            Some(from_b.split(", registered").next().unwrap_or(from_b))
+        })
+        .unwrap_or_else(|| panic!("no join filter from b: {plan}"));
+    assert!(probe.contains("range ["), "{probe}");
+    assert!(
+        ["IN list", "bitmap", "Bloom"]
+            .iter()
+            .any(|test| probe.contains(test)),
+        "{probe}"
+    );
     spilling.set_ndp(false).unwrap();
     check(&spilling, &reference, "spilled to disk, NDP off").await;
 

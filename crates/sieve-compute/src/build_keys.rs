@@ -42,6 +42,9 @@ pub struct BuildKeys {
     state: Mutex<KeysState>,
     /// Woken when a partition finishes.
     finished: tokio::sync::Notify,
+    /// Some partition of the join spilled its build side to disk and gave
+    /// up its part of DataFusion's filter ([`crate::SpillableHashJoinExec`]).
+    spilled: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -76,7 +79,20 @@ impl BuildKeys {
                 ..KeysState::default()
             }),
             finished: tokio::sync::Notify::new(),
+            spilled: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Record that a partition of the join spilled its build side (before
+    /// it gives up its part of DataFusion's filter).
+    pub fn mark_spilled(&self) {
+        self.spilled
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether a partition of the join spilled its build side.
+    pub fn spilled(&self) -> bool {
+        self.spilled.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Returns once every build partition has been read to its end (never,

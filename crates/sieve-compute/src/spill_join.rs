@@ -75,7 +75,7 @@ use datafusion::physical_plan::{
 };
 use futures::{StreamExt, TryStreamExt};
 
-use crate::SieveConfig;
+use crate::{BuildKeysExec, SieveConfig};
 
 /// Default of `sieve.join_build_bytes_max`: the build side one join
 /// partition holds in memory before it is partitioned to disk.
@@ -328,6 +328,11 @@ impl JoinPartition {
             return self.join.execute(partition, Arc::clone(&self.context));
         }
 
+        // The probe scan's join filter takes the collected build keys for
+        // what this partition's part of DataFusion's filter no longer says.
+        if let Some(keys) = self.build.input.downcast_ref::<BuildKeysExec>() {
+            keys.collector().mark_spilled();
+        }
         // Give up this partition's share of the join's dynamic filter:
         // a join stream dropped before its build side is reported counts as
         // cancelled, and DataFusion's filter then passes this partition's

@@ -102,6 +102,11 @@ pub(super) struct JoinKeys<'a> {
     pub(super) probe: &'a [Arc<dyn PhysicalExpr>],
     /// Whether the join's build keys were collected, complete.
     pub(super) collected: bool,
+    /// Whether a partition of the join spilled its build side to disk and
+    /// gave up its part of the filter: DataFusion then says `true` for the
+    /// probe rows routed to it (or for all of them), which the collected
+    /// keys bound as well as its own membership test would have.
+    pub(super) spilled: bool,
 }
 
 impl Implied {
@@ -322,6 +327,9 @@ fn implied_at(expr: &Arc<dyn PhysicalExpr>, join: JoinKeys<'_>, depth: usize) ->
     }
     if let Some(literal) = expr.downcast_ref::<Literal>() {
         return match literal.value() {
+            ScalarValue::Boolean(Some(true)) if join.spilled => {
+                build_key_membership(join.probe, join).unwrap_or_default()
+            }
             ScalarValue::Boolean(Some(true)) => Implied::default(),
             ScalarValue::Boolean(_) => Implied::nothing(),
             _ => Implied::unknown(expr),
@@ -493,6 +501,7 @@ mod tests {
     const NO_JOIN: JoinKeys<'static> = JoinKeys {
         probe: &[],
         collected: false,
+        spilled: false,
     };
 
     #[test]
@@ -597,6 +606,7 @@ mod tests {
         let join = JoinKeys {
             probe: &probe,
             collected: true,
+            spilled: false,
         };
         let schema = arrow::datatypes::Schema::new(vec![
             arrow::datatypes::Field::new("k0", arrow::datatypes::DataType::Int64, true),
@@ -621,6 +631,7 @@ mod tests {
             JoinKeys {
                 probe: &single,
                 collected: true,
+                spilled: false,
             },
         );
         assert!(matches!(

@@ -190,7 +190,16 @@ pub(crate) async fn resolve(
                 .filter
                 .downcast_ref::<DynamicFilterPhysicalExpr>()
                 .is_some();
+        let mut spilled = false;
         if let (Some(keys), true, true) = (&slot.keys, complete, own_filter) {
+            if keys.spilled() {
+                // A partition that spilled gave up its part of the filter
+                // before reading its build side to the end: the collected
+                // keys stand in for it once complete.
+                spilled = tokio::time::timeout(settings.wait, keys.wait_complete())
+                    .await
+                    .is_ok();
+            }
             match keys.collected() {
                 CollectedKeys::Keys(columns) => build_keys = Some(columns),
                 CollectedKeys::TooMany(rows) => {
@@ -211,6 +220,7 @@ pub(crate) async fn resolve(
             JoinKeys {
                 probe: &probe_keys,
                 collected: build_keys.is_some(),
+                spilled,
             },
         );
         let (parts, description) = build(&implied, build_keys.as_deref(), settings, probe)?;
@@ -230,6 +240,23 @@ pub(crate) async fn resolve(
         conjuncts.extend(parts);
     }
     Ok((conjuncts, descriptions))
+}
+
+/// The range of collected key values, NULLs left out (DataFusion's own MIN
+/// and MAX); `None` where there is no non-NULL value.
+fn key_range(arrays: &[ArrayRef]) -> Result<(Option<ScalarValue>, Option<ScalarValue>)> {
+    let Some(first) = arrays.first() else {
+        return Ok((None, None));
+    };
+    let mut min = MinAccumulator::try_new(first.data_type())?;
+    let mut max = MaxAccumulator::try_new(first.data_type())?;
+    for array in arrays {
+        min.update_batch(std::slice::from_ref(array))?;
+        max.update_batch(std::slice::from_ref(array))?;
+    }
+    let low = Some(min.evaluate()?).filter(|value| !value.is_null());
+    let high = Some(max.evaluate()?).filter(|value| !value.is_null());
+    Ok((low, high))
 }
 
 /// Wait for a [`KeyFilterSlot`]'s build side, then its conjuncts: the key
@@ -262,18 +289,7 @@ async fn resolve_key_slot(
     let Some(arrays) = columns.get(slot.position) else {
         return Ok((vec![], "none (no such key)".into()));
     };
-    // The key range, NULLs left out (DataFusion's own MIN and MAX).
-    let (mut low, mut high) = (None, None);
-    if let Some(first) = arrays.first() {
-        let mut min = MinAccumulator::try_new(first.data_type())?;
-        let mut max = MaxAccumulator::try_new(first.data_type())?;
-        for array in arrays {
-            min.update_batch(std::slice::from_ref(array))?;
-            max.update_batch(std::slice::from_ref(array))?;
-        }
-        low = Some(min.evaluate()?).filter(|value| !value.is_null());
-        high = Some(max.evaluate()?).filter(|value| !value.is_null());
-    }
+    let (low, high) = key_range(arrays)?;
     let values = match (low, high) {
         (Some(low), Some(high)) => Values::Within {
             low: Some(low),
@@ -347,21 +363,29 @@ fn build(
         };
         let mut column_conjuncts: Vec<Arc<dyn PhysicalExpr>> = Vec::new();
         let mut column_parts = Vec::new();
-        if let Some(low) = low {
+        let (mut low, mut high) = (low.clone(), high.clone());
+        if let (None, None, Some(Members::BuildKeys(position))) = (&low, &high, members) {
+            // No bound from the join's filter (a partition it does not
+            // know): the collected keys' own range.
+            if let Some(arrays) = build_keys.and_then(|keys| keys.get(*position)) {
+                (low, high) = key_range(arrays)?;
+            }
+        }
+        if let Some(low) = &low {
             column_conjuncts.push(Arc::new(BinaryExpr::new(
                 Arc::clone(&key),
                 Operator::GtEq,
                 lit(low.clone()),
             )));
         }
-        if let Some(high) = high {
+        if let Some(high) = &high {
             column_conjuncts.push(Arc::new(BinaryExpr::new(
                 Arc::clone(&key),
                 Operator::LtEq,
                 lit(high.clone()),
             )));
         }
-        match (low, high) {
+        match (&low, &high) {
             (Some(low), Some(high)) => column_parts.push(format!("range [{low}, {high}]")),
             (Some(low), None) => column_parts.push(format!("range [{low}, ...]")),
             (None, Some(high)) => column_parts.push(format!("range [..., {high}]")),
@@ -590,6 +614,7 @@ mod tests {
     const NO_JOIN: JoinKeys<'static> = JoinKeys {
         probe: &[],
         collected: false,
+        spilled: false,
     };
 
     /// Facts saying column 0 is among `keys`.
