@@ -218,11 +218,12 @@ enum Command {
         #[arg(long)]
         data: Option<PathBuf>,
         /// Sieve modes to compare with plain DataFusion: default,
-        /// no-join-filters, no-aggregate-pushdown, raw, ndp-off.
+        /// no-join-filters, no-aggregate-pushdown, raw, ndp-off,
+        /// spilled-joins.
         #[arg(
             long,
             value_delimiter = ',',
-            default_value = "default,no-join-filters,no-aggregate-pushdown,raw,ndp-off"
+            default_value = "default,no-join-filters,no-aggregate-pushdown,raw,ndp-off,spilled-joins"
         )]
         modes: Vec<String>,
         /// Only this schema index (to reproduce a mismatch).

@@ -239,16 +239,30 @@ fn interrupted_bench_leaves_nothing_behind() {
     assert_nothing_left(pid, &mark);
 }
 
+/// Runs `sieve bench` with `args`, which must succeed; its stdout and
+/// its results.json.
+fn bench_report(mark: &str, args: &[&str]) -> (String, serde_json::Value) {
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(mark);
+    let _ = std::fs::remove_dir_all(&out);
+    let output = bench(mark, &out, args).output().expect("sieve bench runs");
+    let (stdout, stderr) = text(&output);
+    assert!(
+        output.status.success(),
+        "sieve bench failed:\n{stdout}\n{stderr}"
+    );
+    let report =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).expect("results.json"))
+            .expect("results.json is JSON");
+    (stdout, report)
+}
+
 #[test]
 fn a_query_a_mode_cannot_run_is_recorded_and_the_others_still_run() {
     let mark = format!("failing-{}", std::process::id());
-    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(&mark);
-    let _ = std::fs::remove_dir_all(&out);
     // With hash joins kept in memory, Q18's cannot build in 256 KiB; Q6
     // (one sum) needs no pool.
-    let output = bench(
+    let (stdout, report) = bench_report(
         &mark,
-        &out,
         &[
             "--runs",
             "1",
@@ -263,18 +277,8 @@ fn a_query_a_mode_cannot_run_is_recorded_and_the_others_still_run() {
             "--set",
             "sieve.join_build_bytes_max=0",
         ],
-    )
-    .output()
-    .expect("sieve bench runs");
-    let (stdout, stderr) = text(&output);
-    assert!(
-        output.status.success(),
-        "sieve bench failed:\n{stdout}\n{stderr}"
     );
     assert!(stdout.contains("| q18 | failed with "), "{stdout}");
-    let report: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("results.json")).expect("results.json"))
-            .expect("results.json is JSON");
     let failed = report["failed"].as_array().expect("failed");
     assert!(!failed.is_empty(), "{failed:?}");
     for failure in failed {
@@ -296,13 +300,10 @@ fn a_query_a_mode_cannot_run_is_recorded_and_the_others_still_run() {
 #[test]
 fn when_one_mode_fails_a_query_the_other_modes_times_are_kept() {
     let mark = format!("one-mode-{}", std::process::id());
-    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(&mark);
-    let _ = std::fs::remove_dir_all(&out);
     // A storage node silent for 1 ms fails NDP's slice requests; NDP off
     // reads byte ranges under its own timeout.
-    let output = bench(
+    let (stdout, report) = bench_report(
         &mark,
-        &out,
         &[
             "--runs",
             "1",
@@ -313,19 +314,9 @@ fn when_one_mode_fails_a_query_the_other_modes_times_are_kept() {
             "--set",
             "sieve.storage_timeout_ms=1",
         ],
-    )
-    .output()
-    .expect("sieve bench runs");
-    let (stdout, stderr) = text(&output);
-    assert!(
-        output.status.success(),
-        "sieve bench failed:\n{stdout}\n{stderr}"
     );
     assert!(stdout.contains("| q6 | failed with ndp: "), "{stdout}");
     assert!(stdout.contains("; off "), "{stdout}");
-    let report: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("results.json")).expect("results.json"))
-            .expect("results.json is JSON");
     let failed = report["failed"].as_array().expect("failed");
     assert_eq!(failed.len(), 1, "{failed:?}");
     assert_eq!(failed[0]["mode"], "ndp");

@@ -116,16 +116,21 @@ pub enum Mode {
     /// `SET sieve.ndp = off`: stock DataFusion reading the slices by byte
     /// range.
     NdpOff,
+    /// Default settings with every hash join partitioned and past a 2 KiB
+    /// build budget, so its build and probe rows go to disk by key hash and
+    /// are joined part by part (`SpillableHashJoinExec`).
+    SpilledJoins,
 }
 
 impl Mode {
     /// Every mode, in the order they run.
-    pub const ALL: [Mode; 5] = [
+    pub const ALL: [Mode; 6] = [
         Mode::Default,
         Mode::NoJoinFilters,
         Mode::NoAggregatePushdown,
         Mode::Raw,
         Mode::NdpOff,
+        Mode::SpilledJoins,
     ];
 
     /// The mode's name on the command line.
@@ -136,6 +141,7 @@ impl Mode {
             Mode::NoAggregatePushdown => "no-aggregate-pushdown",
             Mode::Raw => "raw",
             Mode::NdpOff => "ndp-off",
+            Mode::SpilledJoins => "spilled-joins",
         }
     }
 
@@ -158,6 +164,7 @@ impl Mode {
             Mode::NoAggregatePushdown => "Sieve, SET sieve.aggregate_pushdown = false",
             Mode::Raw => "Sieve, storage nodes with --pushdown-workers 0 (every slice raw)",
             Mode::NdpOff => "Sieve, SET sieve.ndp = off",
+            Mode::SpilledJoins => "Sieve, SET sieve.join_build_bytes_max = 2048, datafusion.optimizer.hash_join_single_partition_threshold = 0, datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
         }
     }
 }
@@ -399,6 +406,11 @@ async fn start_engines(root: &Path, modes: &[Mode]) -> Result<Engines> {
                 session.apply_settings(&["sieve.aggregate_pushdown=false".into()])?
             }
             Mode::NdpOff => session.set_ndp(false)?,
+            Mode::SpilledJoins => session.apply_settings(&[
+                "sieve.join_build_bytes_max=2048".into(),
+                "datafusion.optimizer.hash_join_single_partition_threshold=0".into(),
+                "datafusion.optimizer.hash_join_single_partition_threshold_rows=0".into(),
+            ])?,
             Mode::Default | Mode::Raw => {}
         }
         sessions.push((mode, session));
