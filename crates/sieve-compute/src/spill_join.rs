@@ -14,7 +14,9 @@
 //!  │    held (dynamic filter, join filters and metrics as ever)
 //!  └─ it does not (a hybrid hash join):
 //!       the partition's dynamic filter is given up (DataFusion lets it
-//!       pass every probe row of this partition, as for a cancelled one);
+//!       pass every probe row of this partition, as for a cancelled one;
+//!       the probe scan's join filter takes the collected build keys for
+//!       it instead, see `join_filter`);
 //!       build rows go by a hash of the join keys into GRACE_FAN_OUT parts,
 //!       all in memory at first; while they pass the budget (or the pool's
 //!       share), the largest part in memory goes to its spill file
@@ -537,27 +539,17 @@ impl ProbeSplit {
                 }
             };
             let writer = self.writer.as_mut()?;
-            let mut kept = Vec::new();
-            let split = match writer.split(&batch) {
+            let (kept, spilled) = match writer.split_keeping(&batch, &self.in_memory) {
                 Ok(split) => split,
                 Err(error) => return Some(Err(error)),
             };
-            for (part, rows) in split {
-                if self.in_memory[part] {
-                    kept.push(rows);
-                } else if let Err(error) = writer.write(part, &rows) {
+            for (part, rows) in spilled {
+                if let Err(error) = writer.write(part, &rows) {
                     return Some(Err(error));
                 }
             }
-            match kept.len() {
-                0 => continue,
-                1 => return kept.pop().map(Ok),
-                _ => {
-                    return Some(
-                        arrow::compute::concat_batches(&batch.schema(), &kept)
-                            .map_err(DataFusionError::from),
-                    )
-                }
+            if let Some(kept) = kept {
+                return Some(Ok(kept));
             }
         }
     }
@@ -596,6 +588,9 @@ impl Part {
     }
 }
 
+/// Rows of one batch by part: `(part, rows)` for parts with rows.
+type RowsByPart = Vec<(usize, RecordBatch)>;
+
 /// Sends rows to [`GRACE_FAN_OUT`] spill files by a hash of their keys.
 struct PartWriter {
     keys: Vec<Arc<dyn PhysicalExpr>>,
@@ -631,10 +626,21 @@ impl PartWriter {
     }
 
     /// `batch`'s rows by part (parts without rows left out).
-    fn split(&mut self, batch: &RecordBatch) -> Result<Vec<(usize, RecordBatch)>> {
+    fn split(&mut self, batch: &RecordBatch) -> Result<RowsByPart> {
+        let (_, parts) = self.split_keeping(batch, &[false; GRACE_FAN_OUT])?;
+        Ok(parts)
+    }
+
+    /// `batch`'s rows of the parts marked in `keep`, together in one batch,
+    /// and the other rows by part (parts without rows left out).
+    fn split_keeping(
+        &mut self,
+        batch: &RecordBatch,
+        keep: &[bool],
+    ) -> Result<(Option<RecordBatch>, RowsByPart)> {
         let rows = batch.num_rows();
         if rows == 0 {
-            return Ok(Vec::new());
+            return Ok((None, Vec::new()));
         }
         let keys = self
             .keys
@@ -644,22 +650,35 @@ impl PartWriter {
         self.hashes.clear();
         self.hashes.resize(rows, 0);
         create_hashes(&keys, &self.seed, &mut self.hashes)?;
+        let mut kept_rows = Vec::new();
         let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); GRACE_FAN_OUT];
         for (row, hash) in self.hashes.iter().enumerate() {
-            rows_of[(*hash % GRACE_FAN_OUT as u64) as usize].push(row as u32);
+            let part = (*hash % GRACE_FAN_OUT as u64) as usize;
+            if keep[part] {
+                kept_rows.push(row as u32);
+            } else {
+                rows_of[part].push(row as u32);
+            }
         }
+        let take = |rows: Vec<u32>| -> Result<RecordBatch> {
+            if rows.len() == batch.num_rows() {
+                Ok(batch.clone())
+            } else {
+                Ok(take_record_batch(batch, &UInt32Array::from(rows))?)
+            }
+        };
+        let kept = if kept_rows.is_empty() {
+            None
+        } else {
+            Some(take(kept_rows)?)
+        };
         let mut parts = Vec::new();
         for (part, rows) in rows_of.into_iter().enumerate() {
-            if rows.is_empty() {
-                continue;
-            }
-            if rows.len() == batch.num_rows() {
-                parts.push((part, batch.clone()));
-            } else {
-                parts.push((part, take_record_batch(batch, &UInt32Array::from(rows))?));
+            if !rows.is_empty() {
+                parts.push((part, take(rows)?));
             }
         }
-        Ok(parts)
+        Ok((kept, parts))
     }
 
     /// Append `rows` to part `part`'s file.
