@@ -11,7 +11,7 @@ use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_cli::queries::{is_ordered, TPCH_QUERIES};
 use sieve_compute::{connect_session_with_config, SieveConfig, SieveSession};
 
-mod common;
+use crate::common;
 
 use common::NODES;
 

@@ -10,7 +10,7 @@
 //! The references are plain DataFusion over equivalent shallow SQL: plain
 //! DataFusion plans a 700-level filter in about a minute in a debug build.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -13,7 +13,7 @@ use sieve_cli::queries::TPCH_QUERIES;
 use sieve_compute::connect_session;
 use sieve_format::{node_directory, slice_path};
 
-mod common;
+use crate::common;
 
 use common::NODES;
 

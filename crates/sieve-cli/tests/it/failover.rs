@@ -11,7 +11,7 @@ use sieve_cli::queries::{is_ordered, TPCH_QUERIES};
 use sieve_compute::{connect_session, SieveSession};
 use sieve_storage::ExecuteOptions;
 
-mod common;
+use crate::common;
 
 use common::NODES;
 

@@ -20,7 +20,7 @@ use sieve_fragment::{
     Fragment, FragmentEnvelope, JoinFilterRegistration, SliceMetrics, REGISTER_JOIN_FILTER_ACTION,
 };
 
-mod slices;
+use crate::slices;
 
 const NODES: usize = 3;
 

@@ -11,8 +11,8 @@ use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 use sieve_cli::cluster::EmbeddedCluster;
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::NODES;
 use serving::*;

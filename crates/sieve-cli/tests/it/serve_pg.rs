@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use sieve_cli::cluster::EmbeddedCluster;
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::NODES;
 use serving::*;

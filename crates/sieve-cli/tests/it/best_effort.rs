@@ -23,8 +23,8 @@ use sieve_fragment::{Fragment, FragmentEnvelope, IpcCodec};
 use sieve_storage::ExecuteOptions;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-mod common;
-mod slices;
+use crate::common;
+use crate::slices;
 
 use common::NODES;
 

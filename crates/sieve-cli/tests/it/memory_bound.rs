@@ -13,7 +13,7 @@ use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_compute::{connect_session, SieveSession};
 
-mod common;
+use crate::common;
 
 use common::NODES;
 

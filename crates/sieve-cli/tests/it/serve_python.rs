@@ -1,9 +1,9 @@
 //! `sieve serve` driven from Python as its users drive it: the ADBC Flight
 //! SQL driver and psycopg 3, each over TLS with a password, in a virtual
-//! environment this test makes (`tests/python/requirements.txt`, pinned).
+//! environment this test makes (`tests/it/python/requirements.txt`, pinned).
 //! Each runs the 22 TPC-H queries at SF 0.01 and TPC-H Q6 as a prepared
 //! statement with parameters; every answer must equal plain DataFusion's
-//! over the same files. `tests/python/clients.py` also checks errors,
+//! over the same files. `tests/it/python/clients.py` also checks errors,
 //! per-session settings, EXPLAIN ANALYZE and the metadata commands.
 
 use std::collections::BTreeMap;
@@ -13,8 +13,8 @@ use std::process::Command;
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::queries::TPCH_QUERIES;
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::NODES;
 use serving::*;
@@ -45,7 +45,8 @@ fn python_with_clients() -> PathBuf {
         status.success(),
         "python3 -m venv failed (apt-get install python3-venv)"
     );
-    let requirements = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/requirements.txt");
+    let requirements =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it/python/requirements.txt");
     let status = Command::new(building.join("bin").join("python"))
         .args([
             "-m",
@@ -116,7 +117,7 @@ async fn adbc_flight_sql_and_psycopg_get_right_answers_over_tls() {
     std::fs::write(&input_path, input.to_string()).unwrap();
     let output_directory = directory.join("results");
     let output = Command::new(&python)
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/clients.py"))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it/python/clients.py"))
         .arg(&input_path)
         .arg(&output_directory)
         .output()

@@ -10,8 +10,8 @@ use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_cli::queries::{is_ordered, TPCH_QUERIES};
 use sieve_compute::{connect_session, SieveScanExec, SieveSession};
 
-mod common;
-mod plans;
+use crate::common;
+use crate::plans;
 
 use common::NODES;
 use plans::{find_scans, metric, physical_plan};

@@ -18,8 +18,8 @@ use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_cli::queries::TPCH_QUERIES;
 use sieve_format::SliceLayout;
 
-mod common;
-mod serving;
+use crate::common;
+use crate::serving;
 
 use common::NODES;
 use serving::*;

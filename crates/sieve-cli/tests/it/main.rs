@@ -1,0 +1,36 @@
+//! Sieve's end-to-end tests, one module per subject, linked into one test
+//! binary: each file used to be a binary of its own, ~270 MB of DataFusion
+//! each in a debug build, which made a cold CI build 8 GB on disk and spent
+//! most of its link time relinking the same code. nextest still runs each
+//! test in a process of its own (`cargo nextest run -E 'test(/^fuzz::/)'`
+//! runs one module).
+
+// Shared helpers; each module uses its own part of them.
+mod common;
+mod plans;
+mod serving;
+mod slices;
+
+mod aggregate_pushdown;
+mod auth_and_limits;
+mod availability;
+mod bench;
+mod best_effort;
+mod data_errors;
+mod deep_expressions;
+mod early_start;
+mod end_to_end;
+mod failover;
+mod fuzz;
+mod fuzz_regressions;
+mod hostile_requests;
+mod integrity;
+mod join_filter_registry;
+mod memory_bound;
+mod null_joins;
+mod request_fuzz;
+mod serve_concurrency;
+mod serve_flight_sql;
+mod serve_pg;
+mod serve_python;
+mod streams;
