@@ -43,9 +43,11 @@ pub const REGISTER_JOIN_FILTER_ACTION: &str = "register-join-filter";
 /// the id.
 pub const RELEASE_JOIN_FILTER_ACTION: &str = "release-join-filter";
 
-/// Upper bound on an encoded registration: a Bloom filter of 16 million keys
-/// at a 1% false-positive rate is about 20 MB.
-pub const JOIN_FILTER_BYTES_MAX: usize = 48 * 1024 * 1024;
+/// Upper bound on an encoded registration, before and after zstd: the
+/// largest key bitmap ([`crate::KEY_BITMAP_BYTES_MAX`]) and the expression
+/// around it (a Bloom filter of 16 million keys at a 1% false-positive rate
+/// is about 20 MB).
+pub const JOIN_FILTER_BYTES_MAX: usize = crate::KEY_BITMAP_BYTES_MAX + 8 * 1024 * 1024;
 
 /// Bytes of a join filter id.
 pub const JOIN_FILTER_ID_BYTES: usize = 16;
@@ -122,9 +124,11 @@ impl JoinFilterRegistration {
 
     /// Decode a registration received over the network: size, version,
     /// table, schema and allow-list are checked. `schema_of` gives the
-    /// schema of a table the node holds.
+    /// schema of a table the node holds. `bytes` are dropped once decoded: a
+    /// key bitmap of SF 100's order keys is 75 MB, and each copy of it a
+    /// storage node holds at once counts in its peak memory.
     pub fn decode_checked(
-        bytes: &[u8],
+        bytes: Vec<u8>,
         schema_of: impl FnOnce(&str) -> Result<Arc<Schema>>,
         task_context: &TaskContext,
     ) -> Result<DecodedJoinFilter> {
@@ -134,8 +138,10 @@ impl JoinFilterRegistration {
                 bytes.len()
             );
         }
-        let registration = Self::decode(bytes)
+        let (id, encoded_bytes) = (Self::id_of(&bytes), bytes.len());
+        let registration = Self::decode(bytes.as_slice())
             .map_err(|error| plan_datafusion_err!("malformed join filter: {error}"))?;
+        drop(bytes);
         if registration.version != FRAGMENT_VERSION {
             return plan_err!(
                 "join filter version {} is not supported (this node speaks version {FRAGMENT_VERSION})",
@@ -156,10 +162,10 @@ impl JoinFilterRegistration {
             return Err(error);
         }
         Ok(DecodedJoinFilter {
-            id: Self::id_of(bytes),
+            id,
             table: registration.table,
             filter,
-            bytes: bytes.len(),
+            bytes: encoded_bytes,
         })
     }
 }
@@ -213,7 +219,7 @@ mod tests {
         let (bytes, id) = JoinFilterRegistration::encode("t", &schema, &filter).unwrap();
         let context = SessionContext::new().task_ctx();
         let decoded =
-            JoinFilterRegistration::decode_checked(&bytes, |_| Ok(Arc::clone(&schema)), &context)
+            JoinFilterRegistration::decode_checked(bytes, |_| Ok(Arc::clone(&schema)), &context)
                 .unwrap();
         assert_eq!(decoded.id, id);
         assert_eq!(decoded.table, "t");
@@ -235,7 +241,7 @@ mod tests {
         let context = SessionContext::new().task_ctx();
         let schema_of = |_: &str| Ok(Arc::clone(&schema));
         assert!(
-            JoinFilterRegistration::decode_checked(&[0xff, 0xff], schema_of, &context).is_err()
+            JoinFilterRegistration::decode_checked(vec![0xff, 0xff], schema_of, &context).is_err()
         );
         let filter: Arc<dyn PhysicalExpr> = Arc::new(Column::new("k", 1));
         let mut registration = JoinFilterRegistration {
@@ -245,7 +251,7 @@ mod tests {
             filter: Some(serialize_physical_expr(&filter, &SieveCodec::new()).unwrap()),
         };
         let error = JoinFilterRegistration::decode_checked(
-            &registration.encode_to_vec(),
+            registration.encode_to_vec(),
             |_| Ok(Arc::clone(&schema)),
             &context,
         )
@@ -254,7 +260,7 @@ mod tests {
         registration.schema_fingerprint ^= 1;
         registration.version = FRAGMENT_VERSION + 1;
         let error = JoinFilterRegistration::decode_checked(
-            &registration.encode_to_vec(),
+            registration.encode_to_vec(),
             |_| Ok(Arc::clone(&schema)),
             &context,
         )

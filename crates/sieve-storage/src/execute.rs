@@ -214,7 +214,7 @@ impl SliceExecutor {
     pub fn register_join_filter(&self, body: &[u8]) -> Result<[u8; JOIN_FILTER_ID_BYTES]> {
         let bytes = JoinFilterRegistration::decompress(body)?;
         let decoded = JoinFilterRegistration::decode_checked(
-            &bytes,
+            bytes,
             |table| Ok(Arc::clone(&self.catalog.table(table)?.schema)),
             &self.task_context,
         )?;

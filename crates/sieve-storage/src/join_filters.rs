@@ -11,8 +11,10 @@ use std::time::{Duration, Instant};
 use datafusion::physical_expr::PhysicalExpr;
 use sieve_fragment::{DecodedJoinFilter, JOIN_FILTER_ID_BYTES};
 
-/// Default bound on the bytes of registered join filters a node keeps.
-pub const JOIN_FILTER_REGISTRY_BYTES_MAX: usize = 256 * 1024 * 1024;
+/// Default bound on the bytes of registered join filters a node keeps
+/// (charged at twice their encoded bytes): room for the largest
+/// registration with room to spare.
+pub const JOIN_FILTER_REGISTRY_BYTES_MAX: usize = 512 * 1024 * 1024;
 
 /// Default time a registered join filter is kept without being used or
 /// registered again: a query that ends without releasing its filters (its
