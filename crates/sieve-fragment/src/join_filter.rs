@@ -236,6 +236,45 @@ mod tests {
     }
 
     #[test]
+    fn a_key_bitmap_over_sf100_order_keys_registers_compressed_and_decodes() {
+        // TPC-H SF 100: order keys up to 600 million, a quarter's orders
+        // (one key in 26 here): a 75 MB bitmap, past the former 32 MiB cap.
+        let schema = schema();
+        let keys: arrow::array::ArrayRef = Arc::new(arrow::array::Int64Array::from_iter_values(
+            (1..600_000_000i64).step_by(26),
+        ));
+        let bitmap: Arc<dyn PhysicalExpr> = Arc::new(
+            crate::KeyBitmapExpr::try_new(Arc::new(Column::new("k", 1)), DataType::Int64, &keys)
+                .unwrap(),
+        );
+        let (bytes, id) = JoinFilterRegistration::encode("t", &schema, &bitmap).unwrap();
+        assert!(bytes.len() > 32 * 1024 * 1024 && bytes.len() <= JOIN_FILTER_BYTES_MAX);
+        let body = JoinFilterRegistration::compress(&bytes).unwrap();
+        assert!(
+            body.len() < bytes.len() / 4,
+            "{} of {}",
+            body.len(),
+            bytes.len()
+        );
+        let context = SessionContext::new().task_ctx();
+        let decoded = JoinFilterRegistration::decode_checked(
+            JoinFilterRegistration::decompress(&body).unwrap(),
+            |_| Ok(Arc::clone(&schema)),
+            &context,
+        )
+        .unwrap();
+        assert_eq!(decoded.id, id);
+        assert_eq!(
+            decoded.filter.downcast_ref::<crate::KeyBitmapExpr>(),
+            bitmap.downcast_ref::<crate::KeyBitmapExpr>()
+        );
+        assert!(decoded
+            .filter
+            .downcast_ref::<crate::KeyBitmapExpr>()
+            .is_some());
+    }
+
+    #[test]
     fn bad_registrations_are_refused() {
         let schema = schema();
         let context = SessionContext::new().task_ctx();
