@@ -272,6 +272,41 @@ mod tests {
             .filter
             .downcast_ref::<crate::KeyBitmapExpr>()
             .is_some());
+        // The decoded filter answers membership across the whole range,
+        // checked against the keys' own rule (every 26th value from 1).
+        let probes: Vec<Option<i64>> = [0, 1, 2, 27, 28, 299_999_999, 300_000_001]
+            .into_iter()
+            .chain([
+                599_999_975,
+                599_999_976,
+                599_999_999,
+                600_000_001,
+                1 << 40,
+                -5,
+            ])
+            .map(Some)
+            .chain([None])
+            .collect();
+        let batch = arrow::record_batch::RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![
+                Arc::new(arrow::array::Int64Array::from(vec![0; probes.len()])),
+                Arc::new(arrow::array::Int64Array::from(probes.clone())),
+            ],
+        )
+        .unwrap();
+        let answer = decoded
+            .filter
+            .evaluate(&batch)
+            .unwrap()
+            .into_array(probes.len())
+            .unwrap();
+        let answer = arrow::array::AsArray::as_boolean(&answer);
+        for (row, probe) in probes.iter().enumerate() {
+            let expected = probe.map(|v| (1..600_000_000).contains(&v) && (v - 1) % 26 == 0);
+            let got = arrow::array::Array::is_valid(answer, row).then(|| answer.value(row));
+            assert_eq!(got, expected, "key {probe:?}");
+        }
     }
 
     #[test]
