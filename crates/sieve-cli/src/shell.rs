@@ -135,7 +135,7 @@ impl Backend {
     ) -> Result<(SchemaRef, BoxStream<'static, Result<RecordBatch>>)> {
         match self {
             Backend::Local(context) => {
-                let frame = context.sql(sql).await?;
+                let frame = sieve_compute::tables::statements::run_sql(context, sql).await?;
                 let stream = frame.execute_stream().await?;
                 Ok((stream.schema(), stream.boxed()))
             }

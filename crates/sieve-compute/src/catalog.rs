@@ -50,6 +50,10 @@ pub struct ClusterTable {
     pub slices: Vec<ClusterSlice>,
     /// Row count (exact) and per-column min/max (inexact) over all slices.
     pub statistics: Statistics,
+    /// For a table a user owns: keeps the version these slices are of
+    /// readable (their files on the nodes) while anything holds the table,
+    /// a running scan included.
+    pub pin: Option<crate::tables::VersionPin>,
 }
 
 /// Every table of every storage node, and a client per node.
@@ -73,6 +77,9 @@ pub struct ClusterCatalog {
     /// Base URL (`http://host:port`) of each node's byte-range endpoint, as
     /// the node itself announced it; `None` for a node that failed discovery.
     pub range_urls: Vec<Option<String>>,
+    /// The tables users own, when the compute node has a table catalog
+    /// ([`Self::with_owned_tables`]).
+    pub owned: Option<Arc<crate::tables::OwnedTables>>,
 }
 
 /// A storage node that could not be listed when the catalog was made.
@@ -232,6 +239,17 @@ impl ClusterCatalog {
         let mut tables: BTreeMap<String, ClusterTable> = BTreeMap::new();
         for (node, listing) in listings.into_iter().enumerate() {
             for node_table in listing.into_iter().flatten() {
+                if sieve_format::writes::parse_storage_name(&node_table.name).is_some() {
+                    // A table a user owns: its versions are in the table
+                    // catalog, not in what the nodes hold. The node's range
+                    // endpoint is still learnt from its slices.
+                    if let Some((_, range_url)) = node_table.slices.first() {
+                        if let Some((base, _)) = range_url.split_once("/slices/") {
+                            range_urls[node].get_or_insert_with(|| base.to_string());
+                        }
+                    }
+                    continue;
+                }
                 merge_node_table(&mut tables, &mut range_urls, urls, node, node_table)?;
             }
         }
@@ -253,11 +271,35 @@ impl ClusterCatalog {
             recoveries: Arc::new(Mutex::new(Vec::new())),
             discovery_failures,
             range_urls,
+            owned: None,
         };
         for failure in &catalog.discovery_failures {
             catalog.mark_failed(failure.node);
         }
         Ok(catalog)
+    }
+}
+
+impl ClusterCatalog {
+    /// This catalog with the tables users own, from the table catalog at
+    /// `path` (created if missing): see [`crate::tables`].
+    pub async fn with_owned_tables(mut self, path: &std::path::Path) -> Result<Self> {
+        // A node that held no slice announced no byte-range endpoint; ask it.
+        for (node, client) in self.clients.iter().enumerate() {
+            if self.range_urls[node].is_some() {
+                continue;
+            }
+            if let Ok(stats) = client.stats().await {
+                if let Some(base) = stats["range_base_url"].as_str() {
+                    self.range_urls[node] = Some(base.to_string());
+                }
+            }
+        }
+        self.owned = Some(
+            crate::tables::OwnedTables::open(path, self.clients.clone(), self.range_urls.clone())
+                .await?,
+        );
+        Ok(self)
     }
 }
 
@@ -297,6 +339,7 @@ fn merge_node_table(
             schema: Arc::clone(&node_table.schema),
             slices: Vec::new(),
             statistics: Statistics::new_unknown(&node_table.schema),
+            pin: None,
         });
     if table.schema.fields() != node_table.schema.fields() {
         return plan_err!(
@@ -409,7 +452,7 @@ fn describe_failures(failures: &[DiscoveryFailure]) -> String {
 }
 
 /// Merge slice summaries into table statistics.
-fn table_statistics(schema: &SchemaRef, slices: &[ClusterSlice]) -> Statistics {
+pub(crate) fn table_statistics(schema: &SchemaRef, slices: &[ClusterSlice]) -> Statistics {
     let rows: u64 = slices.iter().map(|slice| slice.summary.rows).sum();
     let bytes: u64 = slices.iter().map(|slice| slice.summary.bytes).sum();
     let column_statistics = schema

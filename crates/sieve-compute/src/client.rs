@@ -31,6 +31,16 @@ use crate::Traffic;
 
 /// Upper bound on one Flight message accepted from a storage node.
 const FLIGHT_MESSAGE_BYTES_MAX: usize = 64 * 1024 * 1024;
+
+/// Bytes of a slice file per `DoPut` message.
+const PUT_CHUNK_BYTES: usize = 1024 * 1024;
+
+/// The messages of a `DoPut`, as the channel's receiver yields them.
+fn tokio_stream_of(
+    mut receiver: tokio::sync::mpsc::Receiver<FlightData>,
+) -> impl futures::Stream<Item = FlightData> + Send + 'static {
+    futures::stream::poll_fn(move |context| receiver.poll_recv(context))
+}
 /// How long to wait for a TCP connection to a storage node.
 const CONNECT_TIMEOUT_MS: u64 = 5_000;
 
@@ -360,6 +370,119 @@ impl StorageClient {
         .map_err(|_| exec_datafusion_err!("join filter release on {}: no answer", self.url))?
         .map_err(|status| exec_datafusion_err!("join filter release on {}: {status}", self.url))?;
         Ok(())
+    }
+
+    /// Send the slice file at `path` (a table a user owns, storage name
+    /// `table`) to this node (Flight `DoPut`, [`sieve_format::writes::PutSlice`]);
+    /// the node writes, syncs and serves it, and answers its summary.
+    pub async fn put_slice(
+        &self,
+        table: &str,
+        slice: u32,
+        path: &std::path::Path,
+    ) -> Result<SliceSummary> {
+        use tokio::io::AsyncReadExt;
+        let bytes = tokio::fs::metadata(path).await?.len();
+        let crc32 = {
+            let path = path.to_path_buf();
+            tokio::task::spawn_blocking(move || -> std::io::Result<u32> {
+                use std::io::Read;
+                let mut file = std::fs::File::open(path)?;
+                let mut hasher = crc32fast::Hasher::new();
+                let mut buffer = vec![0u8; PUT_CHUNK_BYTES];
+                loop {
+                    let read = file.read(&mut buffer)?;
+                    if read == 0 {
+                        return Ok(hasher.finalize());
+                    }
+                    hasher.update(&buffer[..read]);
+                }
+            })
+            .await
+            .map_err(|error| DataFusionError::External(Box::new(error)))??
+        };
+        let header = sieve_format::writes::PutSlice {
+            table: table.to_string(),
+            slice,
+            bytes,
+            crc32,
+        };
+        let header = serde_json::to_vec(&header).expect("a header is JSON");
+        let mut file = tokio::fs::File::open(path).await?;
+        let (sender, receiver) = tokio::sync::mpsc::channel::<FlightData>(2);
+        let reader = async move {
+            let mut first = true;
+            loop {
+                let mut chunk = vec![0u8; PUT_CHUNK_BYTES];
+                let mut filled = 0;
+                while filled < chunk.len() {
+                    let read = file.read(&mut chunk[filled..]).await?;
+                    if read == 0 {
+                        break;
+                    }
+                    filled += read;
+                }
+                chunk.truncate(filled);
+                if filled == 0 && !first {
+                    return Ok::<(), std::io::Error>(());
+                }
+                let mut message = FlightData::new().with_data_body(chunk);
+                if first {
+                    message = message
+                        .with_descriptor(arrow_flight::FlightDescriptor::new_cmd(header.clone()));
+                    first = false;
+                }
+                if sender.send(message).await.is_err() || filled == 0 {
+                    return Ok(());
+                }
+            }
+        };
+        let mut client = self.client.clone();
+        let request = client.do_put(tokio_stream_of(receiver));
+        let (read, answer) = futures::join!(reader, request);
+        read?;
+        let mut results = answer
+            .map_err(|status| self.write_error("put", status))?
+            .into_inner();
+        let result = results
+            .message()
+            .await
+            .map_err(|status| self.write_error("put", status))?
+            .ok_or_else(|| exec_datafusion_err!("put on {}: no answer", self.url))?;
+        serde_json::from_slice(&result.app_metadata)
+            .map_err(|error| exec_datafusion_err!("put on {}: a bad summary: {error}", self.url))
+    }
+
+    /// Run a slice action ([`sieve_format::writes::REMOVE_SLICES_ACTION`] or
+    /// [`sieve_format::writes::RETAIN_SLICES_ACTION`]) with a JSON body;
+    /// answers the number of slices the node removed.
+    pub async fn slice_action(&self, action: &str, body: Vec<u8>) -> Result<usize> {
+        let mut client = self.client.clone();
+        let mut results = client
+            .do_action(arrow_flight::Action::new(action.to_string(), body))
+            .await
+            .map_err(|status| self.write_error(action, status))?
+            .into_inner();
+        let result = results
+            .message()
+            .await
+            .map_err(|status| self.write_error(action, status))?
+            .ok_or_else(|| exec_datafusion_err!("{action} on {}: no answer", self.url))?;
+        Ok(std::str::from_utf8(&result.body)
+            .ok()
+            .and_then(|text| text.parse().ok())
+            .unwrap_or(0))
+    }
+
+    fn write_error(&self, doing: &str, status: tonic::Status) -> DataFusionError {
+        let message = format!("{doing} on storage node {}: {}", self.url, status.message());
+        match status.code() {
+            tonic::Code::ResourceExhausted => DataFusionError::ResourcesExhausted(message),
+            tonic::Code::InvalidArgument | tonic::Code::AlreadyExists => {
+                DataFusionError::Plan(message)
+            }
+            _ => DataFusionError::Execution(message),
+        }
     }
 
     /// The tables this node holds (Flight `ListFlights`).

@@ -44,6 +44,7 @@ mod scan;
 mod session;
 mod spill_join;
 mod table;
+pub mod tables;
 mod traffic;
 
 pub use build_keys::{BuildKeys, BuildKeysExec, CollectedKeys};
@@ -67,8 +68,8 @@ pub use optimizer::{PushAggregateToStorage, WaitForJoinFilters};
 pub use range_store::{ClusterRangeStore, RANGE_REQUEST_TIMEOUT_MS};
 pub use scan::{PushedAggregate, ScanOptions, SieveScanExec};
 pub use session::{
-    connect_session, connect_session_with_config, physical_rules_without_static_filter_pushdown,
-    session_over, SieveSession,
+    connect_session, connect_session_with_config, connect_session_with_tables,
+    physical_rules_without_static_filter_pushdown, session_over, SieveSession,
 };
 pub use spill_join::{
     JoinInputExec, SpillHashJoins, SpillableHashJoinExec, GRACE_DEPTH_MAX, GRACE_FAN_OUT,

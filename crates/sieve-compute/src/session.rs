@@ -46,6 +46,13 @@ pub async fn connect_session(urls: &[String], secret: Option<&Secret>) -> Result
 }
 
 impl SieveSession {
+    /// Plan `sql` as a DataFrame, as `SessionContext::sql` does, with the
+    /// statements of tables users own (`CREATE TABLE`, `COPY ... FROM`)
+    /// run by Sieve ([`crate::tables::statements`]).
+    pub async fn sql(&self, sql: &str) -> Result<datafusion::dataframe::DataFrame> {
+        crate::tables::statements::run_sql(&self.context, sql).await
+    }
+
     /// Run `SET sieve.ndp = on|off`.
     pub fn set_ndp(&self, on: bool) -> Result<()> {
         let state = self.context.state_ref();
@@ -113,9 +120,25 @@ pub async fn connect_session_with_config(
     secret: Option<&Secret>,
     config: SessionConfig,
 ) -> Result<SieveSession> {
+    connect_session_with_tables(urls, secret, config, None).await
+}
+
+/// Like [`connect_session_with_config`], with the tables users own from
+/// the table catalog at `tables` (created if missing; `None`: no owned
+/// tables, CREATE TABLE makes DataFusion's in-memory tables).
+pub async fn connect_session_with_tables(
+    urls: &[String],
+    secret: Option<&Secret>,
+    config: SessionConfig,
+    tables: Option<&std::path::Path>,
+) -> Result<SieveSession> {
     let sieve = SieveConfig::of(config.options());
-    let catalog =
-        Arc::new(ClusterCatalog::discover_with(urls, secret, sieve.discovery_settings()).await?);
+    let mut catalog =
+        ClusterCatalog::discover_with(urls, secret, sieve.discovery_settings()).await?;
+    if let Some(path) = tables {
+        catalog = catalog.with_owned_tables(path).await?;
+    }
+    let catalog = Arc::new(catalog);
     let runtime = runtime_with_memory_limit(&RuntimeEnv::default(), "auto")?;
     session_over(catalog, secret, config, runtime)
 }
@@ -134,7 +157,9 @@ pub fn session_over(
     let range_timeout = Duration::from_millis(sieve.range_timeout_ms.max(1));
     let mut config = config
         .with_option_extension(sieve)
-        .with_information_schema(true);
+        .with_information_schema(true)
+        // What `tables::statements::run_sql` finds the cluster by.
+        .with_extension(Arc::clone(&catalog));
     // DataFusion 55 gets these wrong over floats with NaN (found by `sieve
     // fuzz`), so they are off unless a session turns them on. TopK and
     // aggregate dynamic filters prune Parquet row groups and pages by min/max
@@ -174,6 +199,16 @@ pub fn session_over(
             .with_catalog(Arc::clone(&catalog));
     let url = ObjectStoreUrl::parse(CLUSTER_RANGE_URL)?;
     context.register_object_store(url.as_ref(), Arc::new(store));
+    // The `public` schema: discovered tables, the session's own
+    // registrations, and the tables users own at their latest version.
+    let schema = Arc::new(crate::tables::SieveSchema::new(
+        Arc::clone(&catalog),
+        Arc::clone(&traffic),
+    ));
+    context
+        .catalog("datafusion")
+        .ok_or_else(|| DataFusionError::Internal("no default catalog".to_string()))?
+        .register_schema("public", schema)?;
     for (name, table) in &catalog.tables {
         context.register_table(
             name.as_str(),

@@ -88,6 +88,12 @@ impl SliceLayout {
     }
 }
 
+/// The file name of slice `slice` of `table` in the table's directory:
+/// `lineitem`, 3 is `lineitem-00003.parquet`.
+pub fn slice_file_name(table: &str, slice: u32) -> String {
+    format!("{table}-{slice:05}.parquet")
+}
+
 /// Write `batches` as one slice at `path`, atomically: the data goes to a
 /// temporary file that is synced and renamed into place, so readers see either
 /// no slice or the whole slice. Returns the number of rows written.
@@ -109,17 +115,31 @@ pub fn write_table_slice(
     table_slices: Option<u32>,
     batches: impl IntoIterator<Item = std::result::Result<RecordBatch, arrow::error::ArrowError>>,
 ) -> Result<usize> {
+    write_slice_with_properties(
+        path,
+        schema,
+        layout.writer_properties(schema),
+        table_slices,
+        batches,
+    )
+}
+
+/// Like [`write_table_slice`], with the Parquet writer settings given
+/// (a table a user owns adds Bloom filters on its sort key).
+pub fn write_slice_with_properties(
+    path: &Path,
+    schema: &SchemaRef,
+    properties: WriterProperties,
+    table_slices: Option<u32>,
+    batches: impl IntoIterator<Item = std::result::Result<RecordBatch, arrow::error::ArrowError>>,
+) -> Result<usize> {
     let parent = path.parent().ok_or_else(|| {
         ParquetError::General(format!("slice path {} has no parent", path.display()))
     })?;
     std::fs::create_dir_all(parent)?;
     let temporary = path.with_extension("parquet.tmp");
     let file = File::create(&temporary)?;
-    let mut writer = ArrowWriter::try_new(
-        file,
-        std::sync::Arc::clone(schema),
-        Some(layout.writer_properties(schema)),
-    )?;
+    let mut writer = ArrowWriter::try_new(file, std::sync::Arc::clone(schema), Some(properties))?;
     let mut rows = 0;
     let mut distinct = DistinctCounter::new(schema)?;
     for batch in batches {

@@ -28,6 +28,7 @@ mod catalog;
 mod checksum;
 mod layout;
 mod tpch;
+pub mod writes;
 
 pub use catalog::{ColumnSummary, SliceSummary, TableSummary};
 pub use checksum::{
@@ -35,7 +36,8 @@ pub use checksum::{
     PAGE_CHECKSUMS_KEY,
 };
 pub use layout::{
-    copy_slice, write_slice, write_table_slice, SliceLayout, DISTINCT_COUNTS_KEY, TABLE_SLICES_KEY,
+    copy_slice, slice_file_name, write_slice, write_slice_with_properties, write_table_slice,
+    SliceLayout, DISTINCT_COUNTS_KEY, TABLE_SLICES_KEY,
 };
 pub use tpch::{generate_tpch, is_generated, replica_nodes, slice_path, TpchTable, TPCH_TABLES};
 

@@ -118,7 +118,7 @@ impl TpchTable {
 pub fn slice_path(node_dir: &Path, table: &str, part: usize) -> PathBuf {
     node_dir
         .join(table)
-        .join(format!("{table}-{part:05}.parquet"))
+        .join(crate::slice_file_name(table, part as u32))
 }
 
 /// Whether `root` holds a complete load of this [`FORMAT_VERSION`] over

@@ -346,10 +346,12 @@ impl ClientSession {
 
     /// Plan `sql` (a SET runs now, as in `SessionContext::sql`).
     async fn plan(&self, sql: &str) -> Result<DataFrame, DataFusionError> {
-        if let Some(name) = self.sieve_setting_shown(sql)? {
+        // A statement DataFusion cannot parse (`COPY t FROM`) may still be
+        // Sieve's; a real syntax error is reported by `run_sql`.
+        if let Ok(Some(name)) = self.sieve_setting_shown(sql) {
             return show_sieve_setting(&self.context, &name);
         }
-        self.context.sql(sql).await
+        sieve_compute::tables::statements::run_sql(&self.context, sql).await
     }
 
     /// Plan `sql` without running anything (a prepared statement's plan).

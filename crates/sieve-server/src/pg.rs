@@ -186,6 +186,7 @@ impl Connection {
             Arc::new(CursorStatementHook),
             Arc::new(SetShowHook),
             Arc::new(TransactionStatementHook),
+            Arc::new(SieveStatements),
         ];
         let service = Arc::new(DfSessionService::new_with_hooks(context, hooks));
         let users: Arc<dyn AuthSource> = Arc::clone(&options.users) as Arc<dyn AuthSource>;
@@ -272,6 +273,90 @@ impl StartupHandler for Startup {
             }
         }
         self.login.on_startup(client, message).await
+    }
+}
+
+/// `CREATE TABLE` and `COPY table FROM 'path'` of the tables users own,
+/// which Sieve runs itself ([`sieve_compute::tables::statements`]); the
+/// rest of their statements (INSERT, TRUNCATE, DROP TABLE) reach Sieve
+/// through DataFusion.
+#[derive(Debug)]
+struct SieveStatements;
+
+/// The command tag `statement` answers with, if Sieve runs it.
+fn sieve_statement_tag(statement: &Statement) -> Option<&'static str> {
+    match statement {
+        Statement::CreateTable(create) if !create.external => Some("CREATE TABLE"),
+        Statement::Copy { to: false, .. } => Some("COPY"),
+        _ => None,
+    }
+}
+
+async fn run_sieve_statement(
+    context: &SessionContext,
+    statement: &Statement,
+    tag: &'static str,
+) -> PgWireResult<Response> {
+    let frame = sieve_compute::tables::statements::run_sql(context, &statement.to_string())
+        .await
+        .map_err(api_error)?;
+    let batches = frame.collect().await.map_err(api_error)?;
+    let rows = batches
+        .first()
+        .filter(|batch| batch.num_columns() == 1 && batch.num_rows() == 1)
+        .and_then(|batch| {
+            batch
+                .column(0)
+                .as_any()
+                .downcast_ref::<datafusion::arrow::array::UInt64Array>()
+                .map(|counts| counts.value(0) as usize)
+        });
+    Ok(Response::Execution(match (tag, rows) {
+        ("COPY", rows) => Tag::new("COPY").with_rows(rows.unwrap_or(0)),
+        // CREATE TABLE ... AS answers as PostgreSQL does.
+        (_, Some(rows)) => Tag::new("SELECT").with_rows(rows),
+        (tag, None) => Tag::new(tag),
+    }))
+}
+
+#[async_trait]
+impl QueryHook for SieveStatements {
+    async fn handle_simple_query(
+        &self,
+        statement: &Statement,
+        context: &SessionContext,
+        _client: &mut dyn HookClient,
+    ) -> Option<PgWireResult<Response>> {
+        let tag = sieve_statement_tag(statement)?;
+        Some(run_sieve_statement(context, statement, tag).await)
+    }
+
+    async fn handle_extended_parse_query(
+        &self,
+        statement: &Statement,
+        _context: &SessionContext,
+        _client: &(dyn ClientInfo + Send + Sync),
+    ) -> Option<PgWireResult<LogicalPlan>> {
+        sieve_statement_tag(statement)?;
+        // No result columns; the statement runs at execution.
+        Some(Ok(LogicalPlan::EmptyRelation(
+            datafusion::logical_expr::EmptyRelation {
+                produce_one_row: false,
+                schema: Arc::new(datafusion::common::DFSchema::empty()),
+            },
+        )))
+    }
+
+    async fn handle_extended_query(
+        &self,
+        statement: &Statement,
+        _plan: &LogicalPlan,
+        _params: &ParamValues,
+        context: &SessionContext,
+        _client: &mut dyn HookClient,
+    ) -> Option<PgWireResult<Response>> {
+        let tag = sieve_statement_tag(statement)?;
+        Some(run_sieve_statement(context, statement, tag).await)
     }
 }
 

@@ -93,7 +93,7 @@ impl CatalogSlice {
 }
 
 /// One table the node holds part of.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct CatalogTable {
     /// Arrow schema shared by all slices of the table.
     pub schema: SchemaRef,
@@ -101,11 +101,18 @@ pub struct CatalogTable {
     pub slices: BTreeMap<u32, Arc<CatalogSlice>>,
 }
 
-/// All tables in one data directory.
+/// Tables by name, as one reader sees them: a snapshot that slices added or
+/// removed later do not change.
+pub type CatalogTables = BTreeMap<String, Arc<CatalogTable>>;
+
+/// All tables in one data directory. The tables found at startup, and the
+/// slices written to the node or removed from it since ([`crate::ingest`]):
+/// each change replaces the map readers share, so a request works on the
+/// snapshot it took.
 #[derive(Debug)]
 pub struct NodeCatalog {
     root: PathBuf,
-    tables: BTreeMap<String, CatalogTable>,
+    tables: std::sync::RwLock<Arc<CatalogTables>>,
     /// Slice files found but not readable at startup, each with its error.
     unreadable: Vec<String>,
 }
@@ -123,7 +130,7 @@ impl NodeCatalog {
                 root.display()
             ))
         })?;
-        let mut tables = BTreeMap::new();
+        let mut tables: CatalogTables = BTreeMap::new();
         let mut unreadable = Vec::new();
         let mut table_dirs: Vec<_> = std::fs::read_dir(&root)?.collect::<std::io::Result<_>>()?;
         table_dirs.sort_by_key(|entry| entry.file_name());
@@ -182,12 +189,12 @@ impl NodeCatalog {
                 table.slices.insert(slice_number, Arc::new(slice));
             }
             if let Some(table) = table {
-                tables.insert(table_name, table);
+                tables.insert(table_name, Arc::new(table));
             }
         }
         Ok(Self {
             root,
-            tables,
+            tables: std::sync::RwLock::new(Arc::new(tables)),
             unreadable,
         })
     }
@@ -203,26 +210,36 @@ impl NodeCatalog {
         &self.root
     }
 
-    /// Tables by name.
-    pub fn tables(&self) -> &BTreeMap<String, CatalogTable> {
-        &self.tables
+    /// Tables by name, as they are now.
+    pub fn tables(&self) -> Arc<CatalogTables> {
+        Arc::clone(
+            &self
+                .tables
+                .read()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        )
     }
 
     /// The table `name`, or a clear error naming what the node holds.
-    pub fn table(&self, name: &str) -> Result<&CatalogTable> {
-        self.tables.get(name).ok_or_else(|| {
-            DataFusionError::Plan(format!(
+    pub fn table(&self, name: &str) -> Result<Arc<CatalogTable>> {
+        let tables = self.tables();
+        match tables.get(name) {
+            Some(table) => Ok(Arc::clone(table)),
+            None => plan_err!(
                 "table '{name}' is not held by this storage node (it holds: {})",
-                self.tables.keys().cloned().collect::<Vec<_>>().join(", ")
-            ))
-        })
+                tables.keys().cloned().collect::<Vec<_>>().join(", ")
+            ),
+        }
     }
 
     /// Slice `slice` of table `name`, or a clear error.
-    pub fn slice(&self, name: &str, slice: u32) -> Result<(&CatalogTable, &Arc<CatalogSlice>)> {
+    pub fn slice(&self, name: &str, slice: u32) -> Result<(Arc<CatalogTable>, Arc<CatalogSlice>)> {
         let table = self.table(name)?;
         match table.slices.get(&slice) {
-            Some(found) => Ok((table, found)),
+            Some(found) => {
+                let found = Arc::clone(found);
+                Ok((table, found))
+            }
             None => plan_err!(
                 "slice {slice} of table '{name}' is not held by this storage node (it holds slices {:?})",
                 table.slices.keys().collect::<Vec<_>>()
@@ -232,7 +249,7 @@ impl NodeCatalog {
 
     /// The summary of every table, as sent to compute nodes.
     pub fn summaries(&self) -> Vec<TableSummary> {
-        self.tables
+        self.tables()
             .iter()
             .map(|(name, table)| TableSummary {
                 name: name.clone(),
@@ -246,10 +263,90 @@ impl NodeCatalog {
     }
 
     /// Find a slice by its file name, for the byte-range endpoint.
-    pub fn slice_by_file(&self, table: &str, file: &str) -> Option<&Arc<CatalogSlice>> {
+    pub fn slice_by_file(&self, table: &str, file: &str) -> Option<Arc<CatalogSlice>> {
         let slice = parse_slice_number(table, file)?;
-        self.tables.get(table)?.slices.get(&slice)
+        self.tables().get(table)?.slices.get(&slice).cloned()
     }
+
+    /// Where slice `slice` of `table` lives in the data directory.
+    pub fn slice_path(&self, table: &str, slice: u32) -> PathBuf {
+        self.root
+            .join(table)
+            .join(sieve_format::slice_file_name(table, slice))
+    }
+
+    /// Serve the slice file already in place at [`Self::slice_path`] (written,
+    /// synced and renamed by the caller): read its metadata and add it to
+    /// the catalog. Its schema must be the table's, if the node holds
+    /// others of its slices. Returns its summary.
+    pub fn add_slice(&self, table: &str, slice: u32) -> Result<SliceSummary> {
+        let path = self.slice_path(table, slice);
+        let (schema, opened) = open_slice(&self.root, table, slice, &path)?;
+        let summary = opened.summary.clone();
+        let mut tables = self
+            .tables
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut next = tables.as_ref().clone();
+        let entry = next.entry(table.to_string()).or_insert_with(|| {
+            Arc::new(CatalogTable {
+                schema: Arc::clone(&schema),
+                slices: BTreeMap::new(),
+            })
+        });
+        if entry.schema.fields() != schema.fields() {
+            return plan_err!(
+                "slice {slice} of table '{table}' has a different schema from the slices of it this node holds"
+            );
+        }
+        Arc::make_mut(entry).slices.insert(slice, Arc::new(opened));
+        *tables = Arc::new(next);
+        Ok(summary)
+    }
+
+    /// Stop serving the given slices of `table` and delete their files (a
+    /// table left without slices is forgotten). Requests that already took
+    /// a slice finish with the file they opened. Returns the slices removed.
+    pub fn remove_slices(&self, table: &str, slices: &[u32]) -> Result<usize> {
+        let removed: Vec<Arc<CatalogSlice>> = {
+            let mut tables = self
+                .tables
+                .write()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let Some(held) = tables.get(table) else {
+                return Ok(0);
+            };
+            let mut held = held.as_ref().clone();
+            let removed: Vec<_> = slices
+                .iter()
+                .filter_map(|slice| held.slices.remove(slice))
+                .collect();
+            let mut next = tables.as_ref().clone();
+            if held.slices.is_empty() {
+                next.remove(table);
+            } else {
+                next.insert(table.to_string(), Arc::new(held));
+            }
+            *tables = Arc::new(next);
+            removed
+        };
+        for slice in &removed {
+            match std::fs::remove_file(&slice.path) {
+                Ok(()) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => return Err(error.into()),
+            }
+        }
+        if !removed.is_empty() {
+            sync_directory(&self.root.join(table))?;
+        }
+        Ok(removed.len())
+    }
+}
+
+/// Make a directory's entries (a rename, a removal) durable.
+pub(crate) fn sync_directory(directory: &Path) -> std::io::Result<()> {
+    File::open(directory)?.sync_all()
 }
 
 /// Why `entry` must not be served, if it must not: it is a symlink, not a

@@ -259,7 +259,6 @@ impl SliceExecutor {
         let envelope = FragmentEnvelope::decode_checked(ticket)?;
         let (table, slice) = self.catalog.slice(&envelope.table, envelope.slice)?;
         let schema = Arc::clone(&table.schema);
-        let slice = Arc::clone(slice);
         let mut body = self.decoded_body(&envelope, &schema)?;
         let mut join_filter_missing = false;
         if !envelope.join_filter.is_empty() {

@@ -37,6 +37,7 @@ use datafusion::physical_plan::ExecutionPlan;
 use futures::stream;
 use futures::{FutureExt, Stream, StreamExt};
 use prost::Message;
+use sieve_format::writes::{REMOVE_SLICES_ACTION, RETAIN_SLICES_ACTION};
 use sieve_fragment::{
     classify_error, join_filter_id, ErrorKind, FragmentEnvelope, IpcCodec, SliceMessage,
     SliceMessageKind, SliceMetrics, CORRUPT_FILE_METADATA, CORRUPT_SLICE_KIND, ERROR_KIND_METADATA,
@@ -61,6 +62,8 @@ pub struct StorageFlightService {
     faults: Arc<Faults>,
     range_base_url: String,
     codec_choices: Arc<CodecChoices>,
+    /// Turns for slice puts ([`crate::ingest::PUTS_IN_FLIGHT_MAX`]).
+    puts: Arc<tokio::sync::Semaphore>,
 }
 
 impl StorageFlightService {
@@ -78,13 +81,16 @@ impl StorageFlightService {
             faults,
             range_base_url,
             codec_choices: Arc::default(),
+            puts: Arc::new(tokio::sync::Semaphore::new(
+                crate::ingest::PUTS_IN_FLIGHT_MAX,
+            )),
         }
     }
 
     fn flight_infos(&self) -> Result<Vec<FlightInfo>, Status> {
         let catalog = self.executor.catalog();
         let mut infos = Vec::new();
-        for (name, table) in catalog.tables() {
+        for (name, table) in catalog.tables().iter() {
             let mut info = FlightInfo::new()
                 .try_with_schema(&table.schema)
                 .map_err(|error| Status::internal(error.to_string()))?
@@ -292,7 +298,6 @@ impl FlightService for StorageFlightService {
                 .map_err(|error| {
                     Status::not_found(clip(error.find_root().message().into_owned()))
                 })?;
-            let slice = Arc::clone(slice);
             // A copy found damaged is refused at once, on every path.
             if let Some(corruption) = slice.corruption.get() {
                 return Err(corrupt_status(corruption));
@@ -389,13 +394,26 @@ impl FlightService for StorageFlightService {
         ))))
     }
 
+    /// A slice file of a table a user owns ([`crate::ingest`]); answers one
+    /// `PutResult` whose `app_metadata` is the slice's JSON summary.
     async fn do_put(
         &self,
-        _request: Request<Streaming<FlightData>>,
+        request: Request<Streaming<FlightData>>,
     ) -> Result<Response<Self::DoPutStream>, Status> {
-        Err(Status::unimplemented(
-            "do_put: slices are loaded with `sieve gen`",
-        ))
+        let _turn = self
+            .puts
+            .acquire()
+            .await
+            .map_err(|_| Status::unavailable("the storage node is stopping"))?;
+        let summary = crate::ingest::put_slice(self.executor.catalog(), request.into_inner())
+            .await
+            .map_err(|status| Status::new(status.code(), clip(status.message().to_string())))?;
+        let metadata =
+            serde_json::to_vec(&summary).map_err(|error| Status::internal(error.to_string()))?;
+        let result = PutResult {
+            app_metadata: metadata.into(),
+        };
+        Ok(Response::new(Box::pin(stream::once(async { Ok(result) }))))
     }
 
     async fn do_action(
@@ -407,6 +425,7 @@ impl FlightService for StorageFlightService {
             STATS_ACTION => {
                 let mut stats = self.executor.counters().to_json();
                 stats["pushdown_workers"] = self.pool.workers().into();
+                stats["range_base_url"] = self.range_base_url.clone().into();
                 stats["pushdown_running"] = self.pool.running().into();
                 stats["pushdown_waiting"] = self.pool.waiting().into();
                 let (mut corrupt, mut unchecked) = (Vec::new(), 0u64);
@@ -455,9 +474,28 @@ impl FlightService for StorageFlightService {
                 };
                 Ok(Response::new(Box::pin(stream::once(async { Ok(result) }))))
             }
+            REMOVE_SLICES_ACTION | RETAIN_SLICES_ACTION => {
+                let catalog = Arc::clone(self.executor.catalog());
+                let body = action.body.clone();
+                let retain = action.r#type == RETAIN_SLICES_ACTION;
+                let removed = tokio::task::spawn_blocking(move || {
+                    if retain {
+                        crate::ingest::retain_slices(&catalog, &body)
+                    } else {
+                        crate::ingest::remove_slices(&catalog, &body)
+                    }
+                })
+                .await
+                .map_err(|error| Status::internal(error.to_string()))??;
+                let result = arrow_flight::Result {
+                    body: removed.to_string().into_bytes().into(),
+                };
+                Ok(Response::new(Box::pin(stream::once(async { Ok(result) }))))
+            }
             other => Err(Status::unimplemented(clip(format!(
                 "action '{other}' is not supported (known: {STATS_ACTION}, \
-                 {REGISTER_JOIN_FILTER_ACTION}, {RELEASE_JOIN_FILTER_ACTION})"
+                 {REGISTER_JOIN_FILTER_ACTION}, {RELEASE_JOIN_FILTER_ACTION}, \
+                 {REMOVE_SLICES_ACTION}, {RETAIN_SLICES_ACTION})"
             )))),
         }
     }
@@ -478,8 +516,16 @@ impl FlightService for StorageFlightService {
             r#type: RELEASE_JOIN_FILTER_ACTION.to_string(),
             description: "release one registration of a join filter (body: its id)".to_string(),
         };
+        let remove = ActionType {
+            r#type: REMOVE_SLICES_ACTION.to_string(),
+            description: "stop serving slices of a table a user owns and delete their files (JSON: table, slices)".to_string(),
+        };
+        let retain = ActionType {
+            r#type: RETAIN_SLICES_ACTION.to_string(),
+            description: "keep only the listed slices of the tables users own (JSON: tables), deleting the rest".to_string(),
+        };
         Ok(Response::new(Box::pin(stream::iter(
-            [stats, register, release].map(Ok),
+            [stats, register, release, remove, retain].map(Ok),
         ))))
     }
 

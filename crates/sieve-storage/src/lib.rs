@@ -12,6 +12,8 @@
 //!       exact stage    read only those pages, filter, project      (execute.rs)
 //!       stream         Arrow IPC, then a SliceMetrics trailer      (flight.rs)
 //!       raw            busy: the needed column chunks as stored     (raw.rs)
+//!   Flight DoPut(PutSlice + file)        a slice of a table a user owns, written,
+//!                                        synced, renamed, served     (ingest.rs)
 //!   HTTP GET /slices/{table}/{file}      the slice file by byte range, for the
 //!                                        NDP-off baseline and peer engines (range.rs)
 //! ```
@@ -27,6 +29,7 @@ mod cpu;
 mod execute;
 mod faults;
 mod flight;
+pub mod ingest;
 mod join_filters;
 mod limits;
 mod node;
@@ -35,7 +38,7 @@ mod range;
 mod raw;
 mod reader;
 
-pub use catalog::{CatalogSlice, CatalogTable, NodeCatalog};
+pub use catalog::{CatalogSlice, CatalogTable, CatalogTables, NodeCatalog};
 pub use coarse::MatchHints;
 pub use execute::{
     Admitted, ExecuteOptions, NodeCounters, SliceExecutor, DEFAULT_PUSHDOWN_WAIT_MS,

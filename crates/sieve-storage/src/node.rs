@@ -59,6 +59,12 @@ pub struct StorageNode {
 impl StorageNode {
     /// Open the catalog and start serving. Must be called inside a Tokio runtime.
     pub async fn start(config: StorageNodeConfig) -> Result<Self> {
+        // What interrupted slice puts left is never served; remove it.
+        let stale = crate::ingest::remove_temporaries(&config.data_directory)
+            .map_err(|error| DataFusionError::External(Box::new(error)))?;
+        if stale > 0 {
+            log::info!("removed {stale} temporary file(s) of interrupted slice puts");
+        }
         let catalog = Arc::new(NodeCatalog::open(&config.data_directory)?);
         let faults = Arc::new(Faults::new());
         let executor = Arc::new(

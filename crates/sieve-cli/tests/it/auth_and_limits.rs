@@ -136,7 +136,8 @@ async fn byte_ranges_without_the_secret_get_401() {
         .unwrap();
     let node = &cluster.nodes[0];
     let catalog = node.executor().catalog();
-    let (table, found) = catalog.tables().iter().next().unwrap();
+    let tables = catalog.tables();
+    let (table, found) = tables.iter().next().unwrap();
     let slice = found.slices.values().next().unwrap();
     let path = format!("/slices/{table}/{}", slice.summary.file);
     let address = node.range_address();

@@ -256,7 +256,7 @@ async fn a_node_busy_with_pushdown_still_answers_plain_reads_and_catalog_request
     .unwrap();
     let node = &cluster.nodes[0];
     let catalog = node.executor().catalog();
-    let lineitem = Arc::clone(catalog.slice("lineitem", 1).unwrap().1);
+    let lineitem = catalog.slice("lineitem", 1).unwrap().1;
     let region_schema = Arc::clone(&catalog.table("region").unwrap().schema);
     let lineitem_schema = Arc::clone(&catalog.table("lineitem").unwrap().schema);
 

@@ -1,0 +1,322 @@
+//! Tables a user owns: created, loaded and changed through SQL.
+//!
+//! ```text
+//!  CREATE TABLE / CREATE ... AS / COPY ... FROM   statements.rs (before DataFusion)
+//!  INSERT, TRUNCATE, DROP TABLE                   DataFusion's own hooks:
+//!                                                 OwnedTable (provider.rs), SieveSchema
+//!     └─> TableWriter (writer.rs): rows cut into slices of the table's
+//!         slice_rows, each sorted by the sort key, written as Parquet with
+//!         the page index, statistics, Bloom filters and page checksums,
+//!         sent to R storage nodes (Flight DoPut)
+//!     └─> TableStore (store.rs): one SQLite transaction commits the
+//!         statement's slices as a new version, or nothing does
+//!  SELECT                                         a table at the latest version,
+//!                                                 pinned for the whole query
+//! ```
+//!
+//! A query reads each table at the version it found when it was planned
+//! ([`VersionPin`] in its scans); slices a later commit removed keep their
+//! files until no running query reads a version that has them
+//! ([`OwnedTables::purge`]). When the catalog opens, every node is told
+//! which slices of owned tables to keep, so files of statements that
+//! never committed (a crash in the middle of a load) are removed.
+
+mod provider;
+mod schema;
+pub mod statements;
+mod store;
+mod writer;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
+
+use datafusion::common::Result;
+
+pub use provider::OwnedTable;
+pub use schema::SieveSchema;
+pub use store::{
+    Change, SliceEntry, Snapshot, TableEntry, TableLayout, TableStore, WrittenSlice,
+    SLICE_ROWS_DEFAULT,
+};
+pub use writer::{TableWriter, SLICE_BUFFER_BYTES_MAX};
+
+use crate::catalog::{table_statistics, ClusterSlice};
+use crate::{ClusterTable, StorageClient};
+
+/// The tables users own on one cluster: their catalog and the nodes.
+pub struct OwnedTables {
+    store: TableStore,
+    path: PathBuf,
+    /// One client per storage node, as the cluster catalog's.
+    clients: Vec<StorageClient>,
+    /// Each node's byte-range base URL, if known.
+    range_urls: Vec<Option<String>>,
+    /// Versions running queries read, with how many read each.
+    readers: Mutex<BTreeMap<u64, usize>>,
+    /// Where slice files are written before they are sent.
+    staging: PathBuf,
+    this: Weak<OwnedTables>,
+}
+
+impl fmt::Debug for OwnedTables {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_struct("OwnedTables")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Keeps one version of the owned tables readable while it lives.
+#[derive(Clone)]
+pub struct VersionPin(Arc<PinInner>);
+
+struct PinInner {
+    tables: Weak<OwnedTables>,
+    version: u64,
+}
+
+impl fmt::Debug for VersionPin {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(formatter, "VersionPin({})", self.0.version)
+    }
+}
+
+impl VersionPin {
+    /// The version pinned.
+    pub fn version(&self) -> u64 {
+        self.0.version
+    }
+}
+
+impl Drop for PinInner {
+    fn drop(&mut self) {
+        let Some(tables) = self.tables.upgrade() else {
+            return;
+        };
+        let last = {
+            let mut readers = tables.readers.lock().unwrap_or_else(|p| p.into_inner());
+            let count = readers.entry(self.version).or_insert(1);
+            *count -= 1;
+            let last = *count == 0;
+            if last {
+                readers.remove(&self.version);
+            }
+            last
+        };
+        // Files the last reader of a version kept may go now.
+        if last {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(async move {
+                    if let Err(error) = tables.purge().await {
+                        log::warn!("removing slices no version reads failed: {error}");
+                    }
+                });
+            }
+        }
+    }
+}
+
+impl OwnedTables {
+    /// Open the catalog at `path` for the cluster whose nodes `clients`
+    /// reach, tell every node which slices of owned tables to keep, and
+    /// remove what no version reads any more.
+    pub async fn open(
+        path: &Path,
+        clients: Vec<StorageClient>,
+        range_urls: Vec<Option<String>>,
+    ) -> Result<Arc<Self>> {
+        let store = TableStore::open(path, clients.len())?;
+        let staging = std::env::temp_dir().join(format!("sieve-writes-{}", std::process::id()));
+        let tables = Arc::new_cyclic(|this| Self {
+            store,
+            path: path.to_path_buf(),
+            clients,
+            range_urls,
+            readers: Mutex::new(BTreeMap::new()),
+            staging,
+            this: this.clone(),
+        });
+        tables.retain_on_nodes().await;
+        tables.purge().await?;
+        Ok(tables)
+    }
+
+    /// The catalog.
+    pub fn store(&self) -> &TableStore {
+        &self.store
+    }
+
+    /// Where the catalog lives.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Number of storage nodes.
+    pub fn nodes(&self) -> usize {
+        self.clients.len()
+    }
+
+    /// The client of node `node`.
+    pub(crate) fn client(&self, node: usize) -> &StorageClient {
+        &self.clients[node]
+    }
+
+    /// Directory for slice files on their way to the nodes.
+    pub(crate) fn staging(&self) -> &Path {
+        &self.staging
+    }
+
+    /// Pin the latest version: what a query reads.
+    pub fn pin_latest(&self) -> Result<VersionPin> {
+        // The version is read and registered under the readers' lock, so a
+        // purge that looks at the readers after a commit sees this one.
+        let mut readers = self.readers.lock().unwrap_or_else(|p| p.into_inner());
+        let version = self.store.latest_version()?;
+        *readers.entry(version).or_insert(0) += 1;
+        Ok(VersionPin(Arc::new(PinInner {
+            tables: self.this.clone(),
+            version,
+        })))
+    }
+
+    /// Table `name` as of `pin`, as the scan reads it.
+    pub fn cluster_table(&self, snapshot: &Snapshot, pin: &VersionPin) -> ClusterTable {
+        let storage_name = snapshot.table.storage_name();
+        let slices: Vec<ClusterSlice> = snapshot
+            .slices
+            .iter()
+            .map(|slice| {
+                let node = slice.nodes.first().copied().unwrap_or(0);
+                let base = self
+                    .range_urls
+                    .get(node)
+                    .cloned()
+                    .flatten()
+                    .unwrap_or_else(|| "http://0.0.0.0:1".to_string());
+                ClusterSlice {
+                    summary: slice.summary.clone(),
+                    node,
+                    range_url: format!("{base}/slices/{storage_name}/{}", slice.summary.file),
+                    replicas: slice.nodes.clone(),
+                }
+            })
+            .collect();
+        let statistics = table_statistics(&snapshot.table.schema, &slices);
+        ClusterTable {
+            name: storage_name,
+            schema: std::sync::Arc::clone(&snapshot.table.schema),
+            slices,
+            statistics,
+            pin: Some(pin.clone()),
+        }
+    }
+
+    /// Tell every node which slices of owned tables to keep (the rest are
+    /// files no committed version refers to). A node that does not answer
+    /// is told next time.
+    async fn retain_on_nodes(&self) {
+        let retained = match self.store.retained() {
+            Ok(retained) => retained,
+            Err(error) => {
+                log::warn!("cannot list the slices to keep: {error}");
+                return;
+            }
+        };
+        let body = serde_json::to_vec(&sieve_format::writes::RetainSlices { tables: retained })
+            .expect("lists of numbers are JSON");
+        let answers = futures::future::join_all(self.clients.iter().map(|client| {
+            client.slice_action(sieve_format::writes::RETAIN_SLICES_ACTION, body.clone())
+        }))
+        .await;
+        for (client, answer) in self.clients.iter().zip(answers) {
+            match answer {
+                Ok(0) => {}
+                Ok(removed) => log::info!(
+                    "storage node {} removed {removed} slice(s) no committed version refers to",
+                    client.url()
+                ),
+                Err(error) => log::warn!(
+                    "storage node {} was not told which slices to keep: {error}",
+                    client.url()
+                ),
+            }
+        }
+    }
+
+    /// Delete from the nodes the files of slices no version a running query
+    /// reads still has; marks them purged. A node that fails keeps its
+    /// copy until the next purge or the next `retain-slices`.
+    pub async fn purge(&self) -> Result<()> {
+        let oldest_read = {
+            let readers = self.readers.lock().unwrap_or_else(|p| p.into_inner());
+            match readers.keys().next() {
+                Some(oldest) => *oldest,
+                None => self.store.latest_version()?,
+            }
+        };
+        let doomed = self.store.purgeable(oldest_read)?;
+        if doomed.is_empty() {
+            return Ok(());
+        }
+        let mut by_node: BTreeMap<(usize, String), Vec<u32>> = BTreeMap::new();
+        for (table, slice, nodes) in &doomed {
+            for node in nodes {
+                by_node
+                    .entry((*node, table.clone()))
+                    .or_default()
+                    .push(*slice);
+            }
+        }
+        let mut failed = std::collections::BTreeSet::new();
+        for ((node, table), slices) in by_node {
+            let Some(client) = self.clients.get(node) else {
+                continue;
+            };
+            let body = serde_json::to_vec(&sieve_format::writes::RemoveSlices {
+                table,
+                slices: slices.clone(),
+            })
+            .expect("JSON");
+            if let Err(error) = client
+                .slice_action(sieve_format::writes::REMOVE_SLICES_ACTION, body)
+                .await
+            {
+                log::warn!(
+                    "storage node {} kept slices to remove: {error}",
+                    client.url()
+                );
+                failed.extend(slices);
+            }
+        }
+        let purged: Vec<u32> = doomed
+            .iter()
+            .map(|(_, slice, _)| *slice)
+            .filter(|slice| !failed.contains(slice))
+            .collect();
+        self.store.mark_purged(&purged)
+    }
+
+    /// Remove the files of slices a failed statement wrote (best effort:
+    /// the next `retain-slices` removes what this misses) and forget them.
+    pub(crate) async fn abandon(&self, storage_name: &str, written: &[(u32, Vec<usize>)]) {
+        for (slice, nodes) in written {
+            for node in nodes {
+                let body = serde_json::to_vec(&sieve_format::writes::RemoveSlices {
+                    table: storage_name.to_string(),
+                    slices: vec![*slice],
+                })
+                .expect("JSON");
+                let _ = self.clients[*node]
+                    .slice_action(sieve_format::writes::REMOVE_SLICES_ACTION, body)
+                    .await;
+            }
+        }
+        let numbers: Vec<u32> = written.iter().map(|(slice, _)| *slice).collect();
+        if let Err(error) = self.store.abandon(&numbers) {
+            log::warn!("cannot forget abandoned slices: {error}");
+        }
+    }
+}

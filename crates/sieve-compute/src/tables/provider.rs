@@ -1,0 +1,205 @@
+//! A table a user owns, as DataFusion sees it: reads through
+//! [`SieveTable`] at one version, writes through DataFusion's DML hooks.
+
+use std::sync::Arc;
+
+use arrow::datatypes::SchemaRef;
+use async_trait::async_trait;
+use datafusion::catalog::{Session, TableProvider};
+use datafusion::common::{not_impl_err, Result, Statistics};
+use datafusion::datasource::TableType;
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::logical_expr::dml::InsertOp;
+use datafusion::logical_expr::{Expr, TableProviderFilterPushDown};
+use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan};
+use datafusion_datasource::sink::{DataSink, DataSinkExec};
+use futures::StreamExt;
+
+use super::{Change, OwnedTables, Snapshot, TableWriter, VersionPin};
+use crate::{ClusterCatalog, SieveTable, Traffic};
+
+/// A table a user owns, at the version it was looked up at.
+#[derive(Debug)]
+pub struct OwnedTable {
+    tables: Arc<OwnedTables>,
+    snapshot: Snapshot,
+    read: SieveTable,
+}
+
+impl OwnedTable {
+    /// Table `name` at the latest version, or `None` if there is none.
+    pub fn latest(
+        tables: &Arc<OwnedTables>,
+        catalog: &Arc<ClusterCatalog>,
+        traffic: &Arc<Traffic>,
+        name: &str,
+    ) -> Result<Option<Self>> {
+        let pin: VersionPin = tables.pin_latest()?;
+        let Some(snapshot) = tables.store().snapshot(name, pin.version())? else {
+            return Ok(None);
+        };
+        let cluster_table = tables.cluster_table(&snapshot, &pin);
+        Ok(Some(Self {
+            tables: Arc::clone(tables),
+            read: SieveTable::new(
+                Arc::new(cluster_table),
+                Arc::clone(catalog),
+                Arc::clone(traffic),
+            ),
+            snapshot,
+        }))
+    }
+
+    /// The version this provider reads.
+    pub fn version(&self) -> u64 {
+        self.snapshot.version
+    }
+}
+
+#[async_trait]
+impl TableProvider for OwnedTable {
+    fn schema(&self) -> SchemaRef {
+        Arc::clone(&self.snapshot.table.schema)
+    }
+
+    fn table_type(&self) -> TableType {
+        TableType::Base
+    }
+
+    fn statistics(&self) -> Option<Statistics> {
+        self.read.statistics()
+    }
+
+    fn supports_filters_pushdown(
+        &self,
+        filters: &[&Expr],
+    ) -> Result<Vec<TableProviderFilterPushDown>> {
+        self.read.supports_filters_pushdown(filters)
+    }
+
+    async fn scan(
+        &self,
+        state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        filters: &[Expr],
+        limit: Option<usize>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        self.read.scan(state, projection, filters, limit).await
+    }
+
+    async fn insert_into(
+        &self,
+        _state: &dyn Session,
+        input: Arc<dyn ExecutionPlan>,
+        insert_op: InsertOp,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let change = match insert_op {
+            InsertOp::Append => Removal::None,
+            InsertOp::Overwrite => Removal::All,
+            InsertOp::Replace => {
+                return not_impl_err!("INSERT OR REPLACE is not supported by Sieve tables")
+            }
+        };
+        let sink = SliceSink {
+            tables: Arc::clone(&self.tables),
+            snapshot: self.snapshot.clone(),
+            removal: change,
+            statement: format!("{insert_op} INTO {}", self.snapshot.table.name),
+            answer: None,
+        };
+        Ok(Arc::new(DataSinkExec::new(input, Arc::new(sink), None)))
+    }
+
+    /// Every slice removed in one commit, when the plan runs (so EXPLAIN
+    /// changes nothing); answers the rows removed.
+    async fn truncate(&self, _state: &dyn Session) -> Result<Arc<dyn ExecutionPlan>> {
+        let removed: u64 = self
+            .snapshot
+            .slices
+            .iter()
+            .map(|slice| slice.summary.rows)
+            .sum();
+        let sink = SliceSink {
+            tables: Arc::clone(&self.tables),
+            snapshot: self.snapshot.clone(),
+            removal: Removal::All,
+            statement: format!("TRUNCATE {}", self.snapshot.table.name),
+            answer: Some(removed),
+        };
+        let nothing = Arc::new(datafusion::physical_plan::empty::EmptyExec::new(
+            Arc::clone(&self.snapshot.table.schema),
+        ));
+        Ok(Arc::new(DataSinkExec::new(nothing, Arc::new(sink), None)))
+    }
+}
+
+/// Which slices an insert replaces.
+#[derive(Debug, Clone, Copy)]
+enum Removal {
+    None,
+    All,
+}
+
+/// Where `INSERT` rows go: a [`TableWriter`], committed when the input ends.
+#[derive(Debug)]
+struct SliceSink {
+    tables: Arc<OwnedTables>,
+    snapshot: Snapshot,
+    removal: Removal,
+    statement: String,
+    /// The count to answer instead of the rows written (TRUNCATE's).
+    answer: Option<u64>,
+}
+
+impl DisplayAs for SliceSink {
+    fn fmt_as(
+        &self,
+        _: DisplayFormatType,
+        formatter: &mut std::fmt::Formatter<'_>,
+    ) -> std::fmt::Result {
+        write!(
+            formatter,
+            "SieveSliceSink: table={}",
+            self.snapshot.table.name
+        )
+    }
+}
+
+#[async_trait]
+impl DataSink for SliceSink {
+    fn schema(&self) -> &SchemaRef {
+        &self.snapshot.table.schema
+    }
+
+    async fn write_all(
+        &self,
+        mut data: SendableRecordBatchStream,
+        _context: &Arc<TaskContext>,
+    ) -> Result<u64> {
+        let mut writer = TableWriter::new(Arc::clone(&self.tables), self.snapshot.table.clone());
+        while let Some(batch) = data.next().await {
+            let written = match batch {
+                Ok(batch) => writer.write(batch).await,
+                Err(error) => Err(error),
+            };
+            if let Err(error) = written {
+                writer.abandon().await;
+                return Err(error);
+            }
+        }
+        let change = Change {
+            removed: match self.removal {
+                Removal::None => vec![],
+                Removal::All => self
+                    .snapshot
+                    .slices
+                    .iter()
+                    .map(|slice| slice.slice)
+                    .collect(),
+            },
+            ..Change::default()
+        };
+        let (_, rows) = writer.commit(change, &self.statement).await?;
+        Ok(self.answer.unwrap_or(rows))
+    }
+}

@@ -1,0 +1,789 @@
+//! The catalog of tables users own, with their versions, in SQLite.
+//!
+//! DuckLake keeps its catalog in a SQL database; so does Sieve: one SQLite
+//! file on the compute node (WAL mode, `synchronous=FULL`), each commit one
+//! SQLite transaction, so a commit is atomic and durable or absent.
+//!
+//! ```text
+//!  versions  version (one per commit, increasing), when, what
+//!  tables    id, name, schema (Arrow IPC), sort key, replicas, slice rows,
+//!            created (version; NULL while a CREATE ... AS is loading),
+//!            dropped (version; NULL while it exists)
+//!  slices    number (unique, never reused), table id, nodes, summary (JSON),
+//!            added (version; NULL until committed), removed (version),
+//!            purged (its files deleted from the nodes)
+//!  meta      next slice number, node count
+//! ```
+//!
+//! The state of a table at version `v` is its slices with `added <= v` and
+//! not `removed <= v`. A query takes the latest version when it is planned
+//! and reads that for its whole run ([`Snapshot`]); files of slices
+//! removed at a version no running query reads are deleted from the nodes
+//! ([`super::OwnedTables::purge`]). Slice numbers are reserved in a
+//! transaction of their own before their files are written, so a number is
+//! never used twice, even across a crash; a slice row without `added` is a
+//! load that never committed, removed when the catalog opens.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use arrow::datatypes::{Schema, SchemaRef};
+use datafusion::common::{exec_err, plan_err, DataFusionError, Result};
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use sieve_format::SliceSummary;
+
+/// Version of the catalog's own layout, in `meta`.
+const LAYOUT_VERSION: &str = "1";
+
+/// Default of a table's `slice_rows`: rows per slice.
+pub const SLICE_ROWS_DEFAULT: u64 = 1_000_000;
+
+/// How a table is laid out on the nodes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableLayout {
+    /// Columns each slice is sorted by (empty: the order rows arrive in).
+    pub sort_key: Vec<String>,
+    /// Copies of each slice, on as many nodes.
+    pub replicas: usize,
+    /// Rows per slice, at most.
+    pub slice_rows: u64,
+}
+
+/// A table as the catalog records it.
+#[derive(Debug, Clone)]
+pub struct TableEntry {
+    /// Catalog id (part of the storage name).
+    pub id: u64,
+    /// SQL name.
+    pub name: String,
+    /// Columns.
+    pub schema: SchemaRef,
+    /// Layout.
+    pub layout: TableLayout,
+}
+
+impl TableEntry {
+    /// The table's name on the storage nodes.
+    pub fn storage_name(&self) -> String {
+        sieve_format::writes::storage_name(&self.name, self.id)
+    }
+}
+
+/// One committed slice.
+#[derive(Debug, Clone)]
+pub struct SliceEntry {
+    /// Slice number.
+    pub slice: u32,
+    /// Indexes of the nodes holding a copy, first one first.
+    pub nodes: Vec<usize>,
+    /// What its node answered when it was written.
+    pub summary: SliceSummary,
+}
+
+/// A table at one version.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// The version read.
+    pub version: u64,
+    /// The table.
+    pub table: TableEntry,
+    /// Its slices at that version.
+    pub slices: Vec<SliceEntry>,
+}
+
+/// A slice written but not yet committed.
+#[derive(Debug, Clone)]
+pub struct WrittenSlice {
+    /// Slice number (reserved).
+    pub slice: u32,
+    /// Nodes holding it.
+    pub nodes: Vec<usize>,
+    /// Its summary, as its first node answered.
+    pub summary: SliceSummary,
+}
+
+/// What one commit does to one table.
+#[derive(Debug, Default)]
+pub struct Change {
+    /// Slices to add.
+    pub added: Vec<WrittenSlice>,
+    /// Slices to remove (numbers).
+    pub removed: Vec<u32>,
+    /// Make the table (created by `CREATE ... AS` with `created` NULL)
+    /// visible in this commit.
+    pub publish: bool,
+}
+
+/// The SQLite catalog. One connection, behind a mutex: commits are short.
+#[derive(Debug)]
+pub struct TableStore {
+    connection: Mutex<Connection>,
+}
+
+fn sql_error(error: rusqlite::Error) -> DataFusionError {
+    DataFusionError::External(Box::new(error))
+}
+
+impl TableStore {
+    /// Open (or create) the catalog at `path` for a cluster of `nodes`
+    /// storage nodes. A catalog made for another number of nodes is refused:
+    /// its slices name nodes by position.
+    pub fn open(path: &Path, nodes: usize) -> Result<Self> {
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        let connection = Connection::open(path).map_err(|error| {
+            DataFusionError::Plan(format!(
+                "the table catalog {} cannot be opened: {error}",
+                path.display()
+            ))
+        })?;
+        connection
+            .execute_batch(
+                "PRAGMA journal_mode=WAL;
+                 PRAGMA synchronous=FULL;
+                 PRAGMA foreign_keys=ON;
+                 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+                 CREATE TABLE IF NOT EXISTS versions(
+                     version INTEGER PRIMARY KEY,
+                     committed_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
+                     statement TEXT NOT NULL);
+                 CREATE TABLE IF NOT EXISTS tables(
+                     id INTEGER PRIMARY KEY AUTOINCREMENT,
+                     name TEXT NOT NULL,
+                     schema BLOB NOT NULL,
+                     sort_key TEXT NOT NULL,
+                     replicas INTEGER NOT NULL,
+                     slice_rows INTEGER NOT NULL,
+                     created INTEGER,
+                     dropped INTEGER);
+                 CREATE UNIQUE INDEX IF NOT EXISTS live_table_names ON tables(name) WHERE dropped IS NULL;
+                 CREATE TABLE IF NOT EXISTS slices(
+                     slice INTEGER PRIMARY KEY,
+                     table_id INTEGER NOT NULL REFERENCES tables(id),
+                     nodes TEXT NOT NULL,
+                     summary TEXT NOT NULL,
+                     added INTEGER,
+                     removed INTEGER,
+                     purged INTEGER NOT NULL DEFAULT 0);
+                 CREATE INDEX IF NOT EXISTS slices_of_table ON slices(table_id);",
+            )
+            .map_err(sql_error)?;
+        let store = Self {
+            connection: Mutex::new(connection),
+        };
+        store.check_meta(nodes)?;
+        Ok(store)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.connection
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn check_meta(&self, nodes: usize) -> Result<()> {
+        let mut connection = self.lock();
+        let transaction = connection
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(sql_error)?;
+        let meta = |key: &str| -> Result<Option<String>> {
+            transaction
+                .query_row("SELECT value FROM meta WHERE key = ?1", [key], |row| {
+                    row.get(0)
+                })
+                .optional()
+                .map_err(sql_error)
+        };
+        match meta("layout")? {
+            None => {
+                transaction
+                    .execute(
+                        "INSERT INTO meta(key, value) VALUES ('layout', ?1), ('nodes', ?2), ('next_slice', '1')",
+                        params![LAYOUT_VERSION, nodes.to_string()],
+                    )
+                    .map_err(sql_error)?;
+            }
+            Some(layout) if layout != LAYOUT_VERSION => {
+                return plan_err!(
+                    "the table catalog has layout {layout}; this Sieve reads layout {LAYOUT_VERSION}"
+                );
+            }
+            Some(_) => {
+                let recorded: usize = meta("nodes")?
+                    .and_then(|value| value.parse().ok())
+                    .unwrap_or(0);
+                if recorded != nodes {
+                    return plan_err!(
+                        "the table catalog was made for {recorded} storage node(s), and this cluster has {nodes}: its slices name nodes by position"
+                    );
+                }
+            }
+        }
+        transaction.commit().map_err(sql_error)
+    }
+
+    /// The latest committed version (0: nothing committed yet).
+    pub fn latest_version(&self) -> Result<u64> {
+        let connection = self.lock();
+        connection
+            .query_row(
+                "SELECT COALESCE(MAX(version), 0) FROM versions",
+                [],
+                |row| row.get::<_, i64>(0),
+            )
+            .map(|version| version as u64)
+            .map_err(sql_error)
+    }
+
+    /// Tables that exist at `version`, by name.
+    pub fn tables_at(&self, version: u64) -> Result<BTreeMap<String, TableEntry>> {
+        let connection = self.lock();
+        let mut statement = connection
+            .prepare(
+                "SELECT id, name, schema, sort_key, replicas, slice_rows FROM tables
+                 WHERE created IS NOT NULL AND created <= ?1 AND (dropped IS NULL OR dropped > ?1)",
+            )
+            .map_err(sql_error)?;
+        let rows = statement
+            .query_map([version as i64], table_row)
+            .map_err(sql_error)?;
+        let mut tables = BTreeMap::new();
+        for row in rows {
+            let entry = decode_table(row.map_err(sql_error)?)?;
+            tables.insert(entry.name.clone(), entry);
+        }
+        Ok(tables)
+    }
+
+    /// Table `name` at `version`, with its slices then.
+    pub fn snapshot(&self, name: &str, version: u64) -> Result<Option<Snapshot>> {
+        let Some(table) = self.tables_at(version)?.remove(name) else {
+            return Ok(None);
+        };
+        let slices = self.slices_at(table.id, version)?;
+        Ok(Some(Snapshot {
+            version,
+            table,
+            slices,
+        }))
+    }
+
+    fn slices_at(&self, table: u64, version: u64) -> Result<Vec<SliceEntry>> {
+        let connection = self.lock();
+        let mut statement = connection
+            .prepare(
+                "SELECT slice, nodes, summary FROM slices
+                 WHERE table_id = ?1 AND added IS NOT NULL AND added <= ?2
+                   AND (removed IS NULL OR removed > ?2)
+                 ORDER BY slice",
+            )
+            .map_err(sql_error)?;
+        let rows = statement
+            .query_map(params![table as i64, version as i64], |row| {
+                Ok((
+                    row.get::<_, i64>(0)?,
+                    row.get::<_, String>(1)?,
+                    row.get::<_, String>(2)?,
+                ))
+            })
+            .map_err(sql_error)?;
+        let mut slices = Vec::new();
+        for row in rows {
+            let (slice, nodes, summary) = row.map_err(sql_error)?;
+            slices.push(SliceEntry {
+                slice: slice as u32,
+                nodes: serde_json::from_str(&nodes)
+                    .map_err(|error| DataFusionError::External(Box::new(error)))?,
+                summary: serde_json::from_str(&summary)
+                    .map_err(|error| DataFusionError::External(Box::new(error)))?,
+            });
+        }
+        Ok(slices)
+    }
+
+    /// Create table `name`. With `publish`, in a commit of its own (the
+    /// table exists from the version returned); without, it is invisible
+    /// until a [`Change`] with `publish` commits it (`CREATE ... AS`).
+    /// Returns the table and the version (`None` unpublished).
+    pub fn create_table(
+        &self,
+        name: &str,
+        schema: &Schema,
+        layout: &TableLayout,
+        publish: bool,
+        statement: &str,
+    ) -> Result<(TableEntry, Option<u64>)> {
+        let mut connection = self.lock();
+        let transaction = connection
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(sql_error)?;
+        let exists: bool = transaction
+            .query_row(
+                "SELECT COUNT(*) > 0 FROM tables WHERE name = ?1 AND dropped IS NULL AND created IS NOT NULL",
+                [name],
+                |row| row.get(0),
+            )
+            .map_err(sql_error)?;
+        if exists {
+            return plan_err!("table '{name}' already exists");
+        }
+        // An unpublished table of the same name (a CREATE ... AS that
+        // failed or is still loading) gives way.
+        transaction
+            .execute(
+                "UPDATE tables SET dropped = -1 WHERE name = ?1 AND dropped IS NULL AND created IS NULL",
+                [name],
+            )
+            .map_err(sql_error)?;
+        let version = if publish {
+            Some(next_version(&transaction, statement)?)
+        } else {
+            None
+        };
+        let schema_bytes = encode_schema(schema)?;
+        transaction
+            .execute(
+                "INSERT INTO tables(name, schema, sort_key, replicas, slice_rows, created) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                params![
+                    name,
+                    schema_bytes,
+                    serde_json::to_string(&layout.sort_key).expect("strings are JSON"),
+                    layout.replicas as i64,
+                    layout.slice_rows as i64,
+                    version.map(|version| version as i64),
+                ],
+            )
+            .map_err(sql_error)?;
+        let id = transaction.last_insert_rowid() as u64;
+        transaction.commit().map_err(sql_error)?;
+        Ok((
+            TableEntry {
+                id,
+                name: name.to_string(),
+                schema: Arc::new(schema.clone()),
+                layout: layout.clone(),
+            },
+            version,
+        ))
+    }
+
+    /// Drop table `name` in a commit of its own; its slices are removed at
+    /// that version. Returns the version, or `None` if there is no such table.
+    pub fn drop_table(&self, name: &str, statement: &str) -> Result<Option<u64>> {
+        let mut connection = self.lock();
+        let transaction = connection
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(sql_error)?;
+        let id: Option<i64> = transaction
+            .query_row(
+                "SELECT id FROM tables WHERE name = ?1 AND dropped IS NULL AND created IS NOT NULL",
+                [name],
+                |row| row.get(0),
+            )
+            .optional()
+            .map_err(sql_error)?;
+        let Some(id) = id else {
+            return Ok(None);
+        };
+        let version = next_version(&transaction, statement)? as i64;
+        transaction
+            .execute(
+                "UPDATE tables SET dropped = ?1 WHERE id = ?2",
+                params![version, id],
+            )
+            .map_err(sql_error)?;
+        transaction
+            .execute(
+                "UPDATE slices SET removed = ?1 WHERE table_id = ?2 AND added IS NOT NULL AND removed IS NULL",
+                params![version, id],
+            )
+            .map_err(sql_error)?;
+        transaction.commit().map_err(sql_error)?;
+        Ok(Some(version as u64))
+    }
+
+    /// Reserve `count` slice numbers for table `table` on `nodes` each
+    /// (one list per slice), durably, before their files are written.
+    pub fn reserve_slice(&self, table: u64, nodes: &[usize]) -> Result<u32> {
+        let mut connection = self.lock();
+        let transaction = connection
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(sql_error)?;
+        let next: i64 = transaction
+            .query_row(
+                "SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'next_slice'",
+                [],
+                |row| row.get(0),
+            )
+            .map_err(sql_error)?;
+        if next > i64::from(u32::MAX) {
+            return exec_err!("the table catalog has used every slice number");
+        }
+        transaction
+            .execute(
+                "UPDATE meta SET value = ?1 WHERE key = 'next_slice'",
+                [(next + 1).to_string()],
+            )
+            .map_err(sql_error)?;
+        transaction
+            .execute(
+                "INSERT INTO slices(slice, table_id, nodes, summary) VALUES (?1, ?2, ?3, '{}')",
+                params![
+                    next,
+                    table as i64,
+                    serde_json::to_string(nodes).expect("integers are JSON")
+                ],
+            )
+            .map_err(sql_error)?;
+        transaction.commit().map_err(sql_error)?;
+        Ok(next as u32)
+    }
+
+    /// Commit `change` to table `table` as one new version. Fails, changing
+    /// nothing, if the table was dropped meanwhile or a slice to remove is
+    /// no longer there (another statement removed it first).
+    pub fn commit(&self, table: u64, change: &Change, statement: &str) -> Result<u64> {
+        let mut connection = self.lock();
+        let transaction = connection
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(sql_error)?;
+        let (created, dropped): (Option<i64>, Option<i64>) = transaction
+            .query_row(
+                "SELECT created, dropped FROM tables WHERE id = ?1",
+                [table as i64],
+                |row| Ok((row.get(0)?, row.get(1)?)),
+            )
+            .optional()
+            .map_err(sql_error)?
+            .unwrap_or((None, Some(-1)));
+        if dropped.is_some() || (created.is_none() && !change.publish) {
+            return exec_err!(
+                "the table was dropped while the statement ran; nothing was committed"
+            );
+        }
+        let version = next_version(&transaction, statement)? as i64;
+        if change.publish {
+            transaction
+                .execute(
+                    "UPDATE tables SET created = ?1 WHERE id = ?2",
+                    params![version, table as i64],
+                )
+                .map_err(sql_error)?;
+        }
+        for slice in &change.added {
+            let updated = transaction
+                .execute(
+                    "UPDATE slices SET added = ?1, nodes = ?2, summary = ?3
+                     WHERE slice = ?4 AND table_id = ?5 AND added IS NULL",
+                    params![
+                        version,
+                        serde_json::to_string(&slice.nodes).expect("integers are JSON"),
+                        serde_json::to_string(&slice.summary).expect("a summary is JSON"),
+                        slice.slice as i64,
+                        table as i64
+                    ],
+                )
+                .map_err(sql_error)?;
+            if updated != 1 {
+                return exec_err!("slice {} was not reserved for this table", slice.slice);
+            }
+        }
+        for slice in &change.removed {
+            let updated = transaction
+                .execute(
+                    "UPDATE slices SET removed = ?1
+                     WHERE slice = ?2 AND table_id = ?3 AND added IS NOT NULL AND removed IS NULL",
+                    params![version, *slice as i64, table as i64],
+                )
+                .map_err(sql_error)?;
+            if updated != 1 {
+                return exec_err!(
+                    "conflict: slice {slice} was changed by another statement that committed first; nothing was committed"
+                );
+            }
+        }
+        transaction.commit().map_err(sql_error)?;
+        Ok(version as u64)
+    }
+
+    /// Forget reserved slices that were never committed (a failed
+    /// statement), returning them with their nodes so their files can be
+    /// removed.
+    pub fn abandon(&self, slices: &[u32]) -> Result<()> {
+        let connection = self.lock();
+        for slice in slices {
+            connection
+                .execute(
+                    "DELETE FROM slices WHERE slice = ?1 AND added IS NULL",
+                    [*slice as i64],
+                )
+                .map_err(sql_error)?;
+        }
+        Ok(())
+    }
+
+    /// Slices whose files may go: never committed, or removed at a version
+    /// at most `oldest_read` (the oldest version a running query reads, or
+    /// the latest), not yet purged. By storage name, with their nodes.
+    pub fn purgeable(&self, oldest_read: u64) -> Result<Vec<(String, u32, Vec<usize>)>> {
+        let connection = self.lock();
+        let mut statement = connection
+            .prepare(
+                "SELECT t.name, t.id, s.slice, s.nodes FROM slices s JOIN tables t ON t.id = s.table_id
+                 WHERE s.purged = 0 AND s.removed IS NOT NULL AND s.removed <= ?1",
+            )
+            .map_err(sql_error)?;
+        let rows = statement
+            .query_map([oldest_read as i64], |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    row.get::<_, i64>(1)?,
+                    row.get::<_, i64>(2)?,
+                    row.get::<_, String>(3)?,
+                ))
+            })
+            .map_err(sql_error)?;
+        let mut found = Vec::new();
+        for row in rows {
+            let (name, id, slice, nodes) = row.map_err(sql_error)?;
+            let nodes: Vec<usize> = serde_json::from_str(&nodes)
+                .map_err(|error| DataFusionError::External(Box::new(error)))?;
+            found.push((
+                sieve_format::writes::storage_name(&name, id as u64),
+                slice as u32,
+                nodes,
+            ));
+        }
+        Ok(found)
+    }
+
+    /// Record that the files of `slices` are gone from their nodes.
+    pub fn mark_purged(&self, slices: &[u32]) -> Result<()> {
+        let connection = self.lock();
+        for slice in slices {
+            connection
+                .execute(
+                    "UPDATE slices SET purged = 1 WHERE slice = ?1",
+                    [*slice as i64],
+                )
+                .map_err(sql_error)?;
+        }
+        Ok(())
+    }
+
+    /// Every slice each node should keep: committed and not purged, by
+    /// storage name (what `retain-slices` sends). Slices reserved but never
+    /// committed are forgotten first: their statements are over.
+    pub fn retained(&self) -> Result<BTreeMap<String, Vec<u32>>> {
+        let connection = self.lock();
+        connection
+            .execute("DELETE FROM slices WHERE added IS NULL", [])
+            .map_err(sql_error)?;
+        connection
+            .execute(
+                "UPDATE tables SET dropped = -1 WHERE created IS NULL AND dropped IS NULL",
+                [],
+            )
+            .map_err(sql_error)?;
+        let mut statement = connection
+            .prepare(
+                "SELECT t.name, t.id, s.slice FROM slices s JOIN tables t ON t.id = s.table_id
+                 WHERE s.purged = 0",
+            )
+            .map_err(sql_error)?;
+        let rows = statement
+            .query_map([], |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    row.get::<_, i64>(1)?,
+                    row.get::<_, i64>(2)?,
+                ))
+            })
+            .map_err(sql_error)?;
+        let mut kept: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+        for row in rows {
+            let (name, id, slice) = row.map_err(sql_error)?;
+            kept.entry(sieve_format::writes::storage_name(&name, id as u64))
+                .or_default()
+                .push(slice as u32);
+        }
+        Ok(kept)
+    }
+}
+
+type TableRow = (i64, String, Vec<u8>, String, i64, i64);
+
+fn table_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<TableRow> {
+    Ok((
+        row.get(0)?,
+        row.get(1)?,
+        row.get(2)?,
+        row.get(3)?,
+        row.get(4)?,
+        row.get(5)?,
+    ))
+}
+
+fn decode_table(
+    (id, name, schema, sort_key, replicas, slice_rows): TableRow,
+) -> Result<TableEntry> {
+    Ok(TableEntry {
+        id: id as u64,
+        name,
+        schema: Arc::new(decode_schema(&schema)?),
+        layout: TableLayout {
+            sort_key: serde_json::from_str(&sort_key)
+                .map_err(|error| DataFusionError::External(Box::new(error)))?,
+            replicas: replicas as usize,
+            slice_rows: slice_rows as u64,
+        },
+    })
+}
+
+fn next_version(transaction: &rusqlite::Transaction<'_>, statement: &str) -> Result<u64> {
+    let statement: String = statement.chars().take(1000).collect();
+    transaction
+        .execute("INSERT INTO versions(statement) VALUES (?1)", [statement])
+        .map_err(sql_error)?;
+    Ok(transaction.last_insert_rowid() as u64)
+}
+
+fn encode_schema(schema: &Schema) -> Result<Vec<u8>> {
+    let options = arrow::ipc::writer::IpcWriteOptions::default();
+    let data = arrow::ipc::writer::IpcDataGenerator::default();
+    let mut tracker = arrow::ipc::writer::DictionaryTracker::new(false);
+    let encoded = data.schema_to_bytes_with_dictionary_tracker(schema, &mut tracker, &options);
+    Ok(encoded.ipc_message)
+}
+
+fn decode_schema(bytes: &[u8]) -> Result<Schema> {
+    let message = arrow::ipc::root_as_message(bytes).map_err(|error| {
+        DataFusionError::Internal(format!("a stored schema is damaged: {error}"))
+    })?;
+    let ipc_schema = message
+        .header_as_schema()
+        .ok_or_else(|| DataFusionError::Internal("a stored schema is damaged".to_string()))?;
+    Ok(arrow::ipc::convert::fb_to_schema(ipc_schema))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::datatypes::{DataType, Field};
+
+    fn layout() -> TableLayout {
+        TableLayout {
+            sort_key: vec!["a".into()],
+            replicas: 1,
+            slice_rows: 10,
+        }
+    }
+
+    fn summary(slice: u32) -> SliceSummary {
+        SliceSummary {
+            table: "t@1".into(),
+            slice,
+            rows: 3,
+            bytes: 100,
+            row_groups: 1,
+            pages: 1,
+            columns: vec![],
+            file: sieve_format::slice_file_name("t@1", slice),
+            table_slices: None,
+        }
+    }
+
+    #[test]
+    fn versions_isolate_what_each_commit_did() {
+        let directory = tempfile_dir();
+        let store = TableStore::open(&directory.join("catalog.sqlite"), 3).unwrap();
+        let schema = Schema::new(vec![Field::new("a", DataType::Int64, true)]);
+        let (table, created) = store
+            .create_table("t", &schema, &layout(), true, "CREATE")
+            .unwrap();
+        let created = created.unwrap();
+        assert!(store
+            .create_table("t", &schema, &layout(), true, "again")
+            .is_err());
+        let first = store.reserve_slice(table.id, &[0]).unwrap();
+        let second = store.reserve_slice(table.id, &[1]).unwrap();
+        assert_ne!(first, second);
+        let written = |slice| WrittenSlice {
+            slice,
+            nodes: vec![0],
+            summary: summary(slice),
+        };
+        let v1 = store
+            .commit(
+                table.id,
+                &Change {
+                    added: vec![written(first)],
+                    ..Default::default()
+                },
+                "INSERT",
+            )
+            .unwrap();
+        let v2 = store
+            .commit(
+                table.id,
+                &Change {
+                    added: vec![written(second)],
+                    removed: vec![first],
+                    publish: false,
+                },
+                "UPDATE",
+            )
+            .unwrap();
+        let slices = |version| {
+            store
+                .snapshot("t", version)
+                .unwrap()
+                .unwrap()
+                .slices
+                .iter()
+                .map(|s| s.slice)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(slices(created), Vec::<u32>::new());
+        assert_eq!(slices(v1), vec![first]);
+        assert_eq!(slices(v2), vec![second]);
+        // Removing a slice twice is a conflict, and changes nothing.
+        assert!(store
+            .commit(
+                table.id,
+                &Change {
+                    removed: vec![first],
+                    ..Default::default()
+                },
+                "again"
+            )
+            .is_err());
+        assert_eq!(store.latest_version().unwrap(), v2);
+        assert_eq!(store.purgeable(v1).unwrap().len(), 0);
+        assert_eq!(store.purgeable(v2).unwrap().len(), 1);
+        let dropped = store.drop_table("t", "DROP").unwrap().unwrap();
+        assert!(store.snapshot("t", dropped).unwrap().is_none());
+        assert_eq!(slices(v2), vec![second], "an old version stays readable");
+        // Reopened with another node count: refused.
+        drop(store);
+        assert!(TableStore::open(&directory.join("catalog.sqlite"), 2).is_err());
+        let store = TableStore::open(&directory.join("catalog.sqlite"), 3).unwrap();
+        assert_eq!(store.latest_version().unwrap(), dropped);
+        std::fs::remove_dir_all(directory).unwrap();
+    }
+
+    fn tempfile_dir() -> std::path::PathBuf {
+        let directory = std::env::temp_dir().join(format!(
+            "sieve-store-test-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
+        std::fs::create_dir_all(&directory).unwrap();
+        directory
+    }
+}

@@ -1,0 +1,330 @@
+//! Rows into slices: the compute side of the write path.
+//!
+//! A [`TableWriter`] takes batches of the table's schema, holds them until
+//! a slice is full (`slice_rows`, or [`SLICE_BUFFER_BYTES_MAX`] of Arrow
+//! memory, whichever comes first), sorts the slice by the table's sort key,
+//! writes it as a Parquet slice file in a staging directory (the layout
+//! `sieve gen` writes: page index, page statistics, Bloom filters, distinct
+//! counts, page checksums) and sends it to R storage nodes. Encoding and
+//! sending one slice runs on another thread while the next slice's rows
+//! are read, so a load uses both cores; at most two slices are in memory.
+//! Nothing is visible until [`TableWriter::commit`]; a writer dropped or
+//! [`TableWriter::abandon`]ed leaves no slice behind that a version names.
+
+use std::sync::Arc;
+
+use arrow::array::RecordBatch;
+use arrow::compute::{concat_batches, lexsort_to_indices, take_record_batch, SortColumn};
+use arrow::datatypes::SchemaRef;
+use datafusion::common::{exec_err, DataFusionError, Result};
+use parquet::schema::types::ColumnPath;
+use sieve_format::SliceLayout;
+use tokio::task::JoinHandle;
+
+use super::{Change, OwnedTables, TableEntry, WrittenSlice};
+
+/// Arrow memory one slice may hold before it is written, whatever its rows.
+pub const SLICE_BUFFER_BYTES_MAX: usize = 128 * 1024 * 1024;
+
+/// Writes one statement's rows into new slices of one table.
+pub struct TableWriter {
+    tables: Arc<OwnedTables>,
+    table: TableEntry,
+    schema: SchemaRef,
+    buffer: Vec<RecordBatch>,
+    buffered_rows: usize,
+    buffered_bytes: usize,
+    /// The slice being encoded and sent.
+    pending: Option<JoinHandle<Result<WrittenSlice>>>,
+    written: Vec<WrittenSlice>,
+    /// Reserved slices, with their nodes, whether or not they were sent.
+    reserved: Vec<(u32, Vec<usize>)>,
+    rows: u64,
+    /// Where the next slice's first copy goes.
+    next_node: usize,
+    finished: bool,
+}
+
+impl std::fmt::Debug for TableWriter {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("TableWriter")
+            .field("table", &self.table.name)
+            .field("rows", &self.rows)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TableWriter {
+    /// A writer of new slices of `table`.
+    pub fn new(tables: Arc<OwnedTables>, table: TableEntry) -> Self {
+        let schema = Arc::clone(&table.schema);
+        // Spread tables over the nodes: each starts at a node of its own.
+        let next_node = (table.id as usize) % tables.nodes().max(1);
+        Self {
+            tables,
+            table,
+            schema,
+            buffer: Vec::new(),
+            buffered_rows: 0,
+            buffered_bytes: 0,
+            pending: None,
+            written: Vec::new(),
+            reserved: Vec::new(),
+            rows: 0,
+            next_node,
+            finished: false,
+        }
+    }
+
+    /// Rows taken so far.
+    pub fn rows(&self) -> u64 {
+        self.rows
+    }
+
+    /// Take `batch`, which must have the table's column types in order
+    /// (names may differ); writes a slice when one is full.
+    pub async fn write(&mut self, batch: RecordBatch) -> Result<()> {
+        if batch.num_columns() != self.schema.fields().len() {
+            return exec_err!(
+                "table '{}' has {} columns; {} were given",
+                self.table.name,
+                self.schema.fields().len(),
+                batch.num_columns()
+            );
+        }
+        for (field, column) in self.schema.fields().iter().zip(batch.columns()) {
+            if field.data_type() != column.data_type() {
+                return exec_err!(
+                    "column '{}' of table '{}' is {}, not {}",
+                    field.name(),
+                    self.table.name,
+                    field.data_type(),
+                    column.data_type()
+                );
+            }
+            if !field.is_nullable() && column.null_count() > 0 {
+                return exec_err!(
+                    "column '{}' of table '{}' is NOT NULL; a NULL was given",
+                    field.name(),
+                    self.table.name
+                );
+            }
+        }
+        let batch = RecordBatch::try_new(Arc::clone(&self.schema), batch.columns().to_vec())?;
+        let slice_rows = self.table.layout.slice_rows.max(1) as usize;
+        let mut offset = 0;
+        while offset < batch.num_rows() {
+            let take = (slice_rows - self.buffered_rows).min(batch.num_rows() - offset);
+            let part = batch.slice(offset, take);
+            offset += take;
+            self.rows += take as u64;
+            self.buffered_rows += take;
+            self.buffered_bytes += part.get_array_memory_size();
+            self.buffer.push(part);
+            if self.buffered_rows >= slice_rows || self.buffered_bytes >= SLICE_BUFFER_BYTES_MAX {
+                self.flush().await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Start writing the buffered rows as a slice (after the one before
+    /// it is done).
+    async fn flush(&mut self) -> Result<()> {
+        if self.buffered_rows == 0 {
+            return Ok(());
+        }
+        self.wait_pending().await?;
+        let batches = std::mem::take(&mut self.buffer);
+        self.buffered_rows = 0;
+        self.buffered_bytes = 0;
+        let nodes = self.choose_nodes();
+        let slice = self.tables.store().reserve_slice(self.table.id, &nodes)?;
+        self.reserved.push((slice, nodes.clone()));
+        let tables = Arc::clone(&self.tables);
+        let table = self.table.clone();
+        let schema = Arc::clone(&self.schema);
+        self.pending = Some(tokio::spawn(async move {
+            write_slice(tables, table, schema, batches, slice, nodes).await
+        }));
+        Ok(())
+    }
+
+    async fn wait_pending(&mut self) -> Result<()> {
+        if let Some(pending) = self.pending.take() {
+            let written = pending
+                .await
+                .map_err(|error| DataFusionError::External(Box::new(error)))??;
+            self.written.push(written);
+        }
+        Ok(())
+    }
+
+    fn choose_nodes(&mut self) -> Vec<usize> {
+        let count = self.tables.nodes().max(1);
+        let replicas = self.table.layout.replicas.clamp(1, count);
+        let first = self.next_node % count;
+        self.next_node = (first + 1) % count;
+        (0..replicas).map(|copy| (first + copy) % count).collect()
+    }
+
+    /// Write what is left and commit every slice of this writer, with
+    /// `change` (slices removed, the table published), as one version.
+    /// Returns the version and the rows written. On failure nothing is
+    /// committed and the slices written are removed.
+    pub async fn commit(mut self, mut change: Change, statement: &str) -> Result<(u64, u64)> {
+        let result = async {
+            self.flush().await?;
+            self.wait_pending().await?;
+            change.added = std::mem::take(&mut self.written);
+            self.tables
+                .store()
+                .commit(self.table.id, &change, statement)
+        }
+        .await;
+        match result {
+            Ok(version) => {
+                self.finished = true;
+                if !change.removed.is_empty() {
+                    if let Err(error) = self.tables.purge().await {
+                        log::warn!("removing slices no version reads failed: {error}");
+                    }
+                }
+                Ok((version, self.rows))
+            }
+            Err(error) => {
+                self.abandon().await;
+                Err(error)
+            }
+        }
+    }
+
+    /// Give up: remove the slices written so far from their nodes.
+    pub async fn abandon(mut self) {
+        if let Some(pending) = self.pending.take() {
+            let _ = pending.await;
+        }
+        self.finished = true;
+        let reserved = std::mem::take(&mut self.reserved);
+        self.tables
+            .abandon(&self.table.storage_name(), &reserved)
+            .await;
+    }
+}
+
+impl Drop for TableWriter {
+    fn drop(&mut self) {
+        if self.finished || self.reserved.is_empty() {
+            return;
+        }
+        // Dropped mid-statement (cancelled): clean up in the background;
+        // what this misses, the next catalog open removes.
+        let tables = Arc::clone(&self.tables);
+        let storage_name = self.table.storage_name();
+        let reserved = std::mem::take(&mut self.reserved);
+        let pending = self.pending.take();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if let Some(pending) = pending {
+                    let _ = pending.await;
+                }
+                tables.abandon(&storage_name, &reserved).await;
+            });
+        }
+    }
+}
+
+/// Sort, encode and send one slice; returns what the commit records.
+async fn write_slice(
+    tables: Arc<OwnedTables>,
+    table: TableEntry,
+    schema: SchemaRef,
+    batches: Vec<RecordBatch>,
+    slice: u32,
+    nodes: Vec<usize>,
+) -> Result<WrittenSlice> {
+    let storage_name = table.storage_name();
+    let staging = tables.staging().to_path_buf();
+    let path = staging.join(sieve_format::slice_file_name(&storage_name, slice));
+    let encoded = {
+        let path = path.clone();
+        let table = table.clone();
+        tokio::task::spawn_blocking(move || -> Result<()> {
+            let batch = concat_batches(&schema, &batches)?;
+            drop(batches);
+            let batch = sort_by_key(&batch, &table.layout.sort_key)?;
+            let layout = SliceLayout::default();
+            let mut properties = layout.writer_properties(&schema).into_builder();
+            for column in &table.layout.sort_key {
+                let column = ColumnPath::from(column.as_str());
+                properties = properties
+                    .set_column_bloom_filter_enabled(column.clone(), true)
+                    .set_column_bloom_filter_fpp(column, layout.bloom_filter_fpp);
+            }
+            sieve_format::write_slice_with_properties(
+                &path,
+                &schema,
+                properties.build(),
+                None,
+                [Ok(batch)],
+            )
+            .map_err(|error| DataFusionError::Execution(format!("writing a slice: {error}")))?;
+            Ok(())
+        })
+        .await
+        .map_err(|error| DataFusionError::External(Box::new(error)))?
+    };
+    let sent = match encoded {
+        Ok(()) => send(&tables, &storage_name, slice, &nodes, &path).await,
+        Err(error) => Err(error),
+    };
+    let _ = tokio::fs::remove_file(&path).await;
+    let summary = sent?;
+    Ok(WrittenSlice {
+        slice,
+        nodes,
+        summary,
+    })
+}
+
+/// Send the slice file to every node of `nodes`, all at once.
+async fn send(
+    tables: &OwnedTables,
+    storage_name: &str,
+    slice: u32,
+    nodes: &[usize],
+    path: &std::path::Path,
+) -> Result<sieve_format::SliceSummary> {
+    let answers = futures::future::join_all(
+        nodes
+            .iter()
+            .map(|node| tables.client(*node).put_slice(storage_name, slice, path)),
+    )
+    .await;
+    let mut summary = None;
+    for answer in answers {
+        let answer = answer?;
+        summary.get_or_insert(answer);
+    }
+    summary.ok_or_else(|| DataFusionError::Internal("a slice with no node".to_string()))
+}
+
+/// `batch` sorted by the columns `key` (ascending, NULLs first), or as it is.
+fn sort_by_key(batch: &RecordBatch, key: &[String]) -> Result<RecordBatch> {
+    if key.is_empty() || batch.num_rows() < 2 {
+        return Ok(batch.clone());
+    }
+    let columns = key
+        .iter()
+        .map(|name| {
+            let index = batch.schema().index_of(name)?;
+            Ok(SortColumn {
+                values: Arc::clone(batch.column(index)),
+                options: None,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let indices = lexsort_to_indices(&columns, None)?;
+    Ok(take_record_batch(batch, &indices)?)
+}
