@@ -18,7 +18,6 @@ use sieve_cli::fuzz::{
 use sieve_cli::secret::{load_secret, SECRET_ENV};
 use sieve_cli::serve::{run_serve, ServeOptions};
 use sieve_cli::shell::{run_statements, shell, Backend, Format, Printer};
-use sieve_compute::connect_session;
 use sieve_format::{generate_tpch, SliceLayout};
 use sieve_storage::{ExecuteOptions, StorageNode, StorageNodeConfig};
 
@@ -318,6 +317,12 @@ enum Command {
         /// else the system's roots.
         #[arg(long)]
         tls_ca: Option<PathBuf>,
+        /// The table catalog (tables users own: CREATE TABLE, COPY, INSERT),
+        /// a SQLite file made if missing; the embedded cluster's is
+        /// DATA/tpch-sfX-r2/catalog.sqlite. With --cluster and without it,
+        /// CREATE TABLE makes session-local tables in memory.
+        #[arg(long, conflicts_with = "connect")]
+        catalog: Option<PathBuf>,
     },
     /// A long-lived compute node for clients: the PostgreSQL wire protocol
     /// (psql, JDBC, psycopg) and Arrow Flight SQL (ADBC, JDBC), each
@@ -368,6 +373,10 @@ enum Command {
         /// A setting every session starts with, e.g. --set sieve.ndp=off.
         #[arg(long = "set")]
         settings: Vec<String>,
+        /// The table catalog (tables users own), a SQLite file made if
+        /// missing; the embedded cluster's is in its data directory.
+        #[arg(long)]
+        catalog: Option<PathBuf>,
     },
 }
 
@@ -680,6 +689,7 @@ async fn run(cli: Cli) -> Result<()> {
             user,
             password_file,
             tls_ca,
+            catalog,
         } => {
             let printer = Printer { format, output };
             if let Some(url) = connect {
@@ -696,6 +706,7 @@ async fn run(cli: Cli) -> Result<()> {
             }
             let mut embedded = None;
             let mut secret = load_secret(secret_file.as_deref())?;
+            let mut tables = catalog;
             let urls = if cluster.is_empty() {
                 let options = DemoOptions {
                     scale_factor: sf,
@@ -708,6 +719,7 @@ async fn run(cli: Cli) -> Result<()> {
                     settings: vec![],
                 };
                 let root = ensure_data(&options)?;
+                tables.get_or_insert_with(|| root.join(sieve_cli::serve::TABLE_CATALOG_FILE));
                 let started = EmbeddedCluster::start(&root, 3).await?;
                 let urls = started.urls();
                 secret = Some(started.secret().clone());
@@ -716,7 +728,13 @@ async fn run(cli: Cli) -> Result<()> {
             } else {
                 cluster
             };
-            let session = connect_session(&urls, secret.as_ref()).await?;
+            let session = sieve_compute::connect_session_with_tables(
+                &urls,
+                secret.as_ref(),
+                datafusion::prelude::SessionConfig::new(),
+                tables.as_deref(),
+            )
+            .await?;
             let mut backend = Backend::Local(session.context);
             let result = run_sql(&mut backend, command, file, &printer).await;
             drop(embedded);
@@ -736,6 +754,7 @@ async fn run(cli: Cli) -> Result<()> {
             insecure_plaintext,
             connections_max,
             settings,
+            catalog,
         } => {
             run_serve(ServeOptions {
                 cluster,
@@ -751,6 +770,7 @@ async fn run(cli: Cli) -> Result<()> {
                 insecure_plaintext,
                 connections_max,
                 settings,
+                catalog,
             })
             .await
         }

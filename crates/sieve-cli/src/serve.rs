@@ -56,7 +56,13 @@ pub struct ServeOptions {
     pub connections_max: usize,
     /// `key=value` settings every session starts with.
     pub settings: Vec<String>,
+    /// The table catalog (tables users own); the embedded cluster's is in
+    /// its data directory, `catalog.sqlite`.
+    pub catalog: Option<PathBuf>,
 }
+
+/// The table catalog's file in an embedded cluster's data directory.
+pub const TABLE_CATALOG_FILE: &str = "catalog.sqlite";
 
 /// Serve until interrupted (Ctrl-C).
 pub async fn run_serve(options: ServeOptions) -> Result<()> {
@@ -84,6 +90,7 @@ pub async fn run_serve(options: ServeOptions) -> Result<()> {
 
     let mut embedded = None;
     let mut secret = load_secret(options.secret_file.as_deref())?;
+    let mut catalog = options.catalog.clone();
     let urls = if options.cluster.is_empty() {
         let demo = DemoOptions {
             scale_factor: options.scale_factor,
@@ -96,6 +103,7 @@ pub async fn run_serve(options: ServeOptions) -> Result<()> {
             settings: vec![],
         };
         let root = ensure_data(&demo)?;
+        catalog.get_or_insert_with(|| root.join(TABLE_CATALOG_FILE));
         let started = EmbeddedCluster::start(&root, 3).await?;
         let urls = started.urls();
         secret = Some(started.secret().clone());
@@ -105,7 +113,16 @@ pub async fn run_serve(options: ServeOptions) -> Result<()> {
         options.cluster.clone()
     };
 
-    let factory = session_factory(&urls, secret.as_ref(), options.settings.clone()).await?;
+    let factory = session_factory(
+        &urls,
+        secret.as_ref(),
+        options.settings.clone(),
+        catalog.as_deref(),
+    )
+    .await?;
+    if let Some(catalog) = &catalog {
+        println!("Tables users own: catalog {}", catalog.display());
+    }
     // A bad --set is an error now, not at the first connection.
     factory()?;
 
@@ -179,16 +196,19 @@ pub async fn session_factory(
     urls: &[String],
     secret: Option<&Secret>,
     settings: Vec<String>,
+    tables: Option<&std::path::Path>,
 ) -> Result<SessionFactory> {
     let base = SessionConfig::new().with_option_extension(SieveConfig::default());
-    let catalog = Arc::new(
-        ClusterCatalog::discover_with(
-            urls,
-            secret,
-            SieveConfig::of(base.options()).discovery_settings(),
-        )
-        .await?,
-    );
+    let mut catalog = ClusterCatalog::discover_with(
+        urls,
+        secret,
+        SieveConfig::of(base.options()).discovery_settings(),
+    )
+    .await?;
+    if let Some(path) = tables {
+        catalog = catalog.with_owned_tables(path).await?;
+    }
+    let catalog = Arc::new(catalog);
     let runtime = runtime_with_memory_limit(&RuntimeEnv::default(), "auto")?;
     let secret = secret.cloned();
     Ok(Arc::new(move || {

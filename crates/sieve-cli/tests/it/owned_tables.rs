@@ -279,11 +279,8 @@ async fn start(root: &Path) -> (EmbeddedCluster, SieveSession) {
 }
 
 fn table_schema(session: &SieveSession, table: &str) -> Arc<Schema> {
-    futures::executor::block_on(session.context.table(table))
-        .unwrap()
-        .schema()
-        .inner()
-        .clone()
+    let frame = futures::executor::block_on(session.context.table(table)).unwrap();
+    Arc::clone(frame.schema().inner())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -137,7 +137,7 @@ impl OwnedTables {
             range_urls,
             readers: Mutex::new(BTreeMap::new()),
             staging,
-            this: this.clone(),
+            this: Weak::clone(this),
         });
         tables.retain_on_nodes().await;
         tables.purge().await?;
@@ -177,7 +177,7 @@ impl OwnedTables {
         let version = self.store.latest_version()?;
         *readers.entry(version).or_insert(0) += 1;
         Ok(VersionPin(Arc::new(PinInner {
-            tables: self.this.clone(),
+            tables: Weak::clone(&self.this),
             version,
         })))
     }

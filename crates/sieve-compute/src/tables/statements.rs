@@ -251,7 +251,7 @@ async fn create_table(
     let exists = context.table_exist(name.as_str())?;
     if exists {
         if create.if_not_exists {
-            return context.sql("SELECT 1 WHERE false").await;
+            return no_rows(context);
         }
         return plan_err!("table '{name}' already exists");
     }
@@ -295,6 +295,12 @@ async fn create_table(
     };
     let (_, rows) = writer.commit(change, sql).await?;
     count_frame(context, rows)
+}
+
+/// What a statement without rows answers: no columns, no rows.
+fn no_rows(context: &SessionContext) -> Result<DataFrame> {
+    let plan = datafusion::logical_expr::LogicalPlanBuilder::empty(false).build()?;
+    Ok(DataFrame::new(context.state(), plan))
 }
 
 fn count_frame(context: &SessionContext, rows: u64) -> Result<DataFrame> {
