@@ -68,30 +68,48 @@ pub async fn put_slice(
         sieve_format::slice_file_name(&header.table, header.slice),
         TEMPORARY.fetch_add(1, Ordering::Relaxed)
     ));
-    let written = receive(&temporary, &header, first, &mut messages).await;
-    let placed = written.and_then(|()| {
-        std::fs::rename(&temporary, &final_path)
-            .map_err(|error| io_status("rename the slice into place", &error))?;
-        sync_directory(&directory).map_err(|error| io_status("sync the table directory", &error))
-    });
-    if let Err(status) = placed {
-        let _ = std::fs::remove_file(&temporary);
-        return Err(status);
-    }
+    // Removes the temporary file unless it was renamed into place, also
+    // when the request is dropped mid-stream (a client gone).
+    let mut guard = Temporary(Some(temporary.clone()));
+    receive(&temporary, &header, first, &mut messages).await?;
+    // Rename, sync and serve in one blocking task, which runs to its end
+    // even if the request is dropped meanwhile.
     let catalog = Arc::clone(catalog);
+    guard.0 = None;
     let added = tokio::task::spawn_blocking(move || {
-        let added = catalog.add_slice(&header.table, header.slice);
-        if added.is_err() {
-            // Not a slice this node can serve: it must not be found at
-            // the next start either.
-            let _ = std::fs::remove_file(&final_path);
+        let placed = std::fs::rename(&temporary, &final_path)
+            .map_err(|error| io_status("rename the slice into place", &error))
+            .and_then(|()| {
+                sync_directory(&directory)
+                    .map_err(|error| io_status("sync the table directory", &error))
+            });
+        if let Err(status) = placed {
+            let _ = std::fs::remove_file(&temporary);
+            return Err(status);
         }
-        added
+        catalog
+            .add_slice(&header.table, header.slice)
+            .map_err(|error| {
+                // Not a slice this node can serve: it must not be found at
+                // the next start either.
+                let _ = std::fs::remove_file(&final_path);
+                Status::invalid_argument(format!("put: the file is not a slice: {error}"))
+            })
     })
     .await
     .map_err(|error| Status::internal(format!("put: {error}")))?;
     added
-        .map_err(|error| Status::invalid_argument(format!("put: the file is not a slice: {error}")))
+}
+
+/// A temporary file, removed when dropped unless taken.
+struct Temporary(Option<std::path::PathBuf>);
+
+impl Drop for Temporary {
+    fn drop(&mut self) {
+        if let Some(path) = self.0.take() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
 }
 
 fn parse_header(first: &FlightData) -> Result<PutSlice, Status> {

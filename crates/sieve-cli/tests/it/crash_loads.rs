@@ -25,10 +25,17 @@ use sieve_fragment::Secret;
 
 const NODES: usize = 3;
 const ROWS_PER_FILE: usize = 2_000;
-const FILES: usize = 400;
+const FILES: usize = 5_000;
+/// Statements a compute process is given per round: more than it gets
+/// through before the kill, so the kill lands inside a load.
+const STATEMENTS_PER_ROUND: usize = 40;
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// A small random source (the seed is printed, so a failure can be replayed).
@@ -36,7 +43,10 @@ struct Random(u64);
 
 impl Random {
     fn below(&mut self, bound: u64) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (self.0 >> 33) % bound.max(1)
     }
 }
@@ -104,14 +114,41 @@ fn expected(parts: usize) -> (u64, u128) {
     (rows, sum)
 }
 
+/// [`check_once`], again (up to 20 times, 100 ms apart) while a node
+/// holds a file the catalog does not name: a put whose client was killed
+/// ends on the node a moment later (its temporary file removed, or its
+/// slice served after the next catalog open's `retain-slices`), and the
+/// next open of the catalog removes it.
+async fn check(nodes: &[Node], secret: &Secret, catalog: &Path, round: usize) -> usize {
+    let mut attempt = 0;
+    loop {
+        match check_once(nodes, secret, catalog, round).await {
+            Ok(parts) => return parts,
+            Err(stray) if attempt < 20 => {
+                attempt += 1;
+                println!("round {round}: {stray}; checking again");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(stray) => panic!("round {round}: {stray}"),
+        }
+    }
+}
+
 /// Open the catalog in this process (which removes what no committed
 /// version names), check the table is a committed prefix and the nodes
-/// hold only what the catalog names; the prefix's length.
-async fn check(nodes: &[Node], secret: &Secret, catalog: &Path, round: usize) -> usize {
+/// hold only what the catalog names; the prefix's length, or the file a
+/// node holds that it should not.
+async fn check_once(
+    nodes: &[Node],
+    secret: &Secret,
+    catalog: &Path,
+    round: usize,
+) -> Result<usize, String> {
     let urls: Vec<String> = nodes.iter().map(Node::url).collect();
-    let session = connect_session_with_tables(&urls, Some(secret), SessionConfig::new(), Some(catalog))
-        .await
-        .unwrap_or_else(|error| panic!("round {round}: the catalog does not open: {error}"));
+    let session =
+        connect_session_with_tables(&urls, Some(secret), SessionConfig::new(), Some(catalog))
+            .await
+            .unwrap_or_else(|error| panic!("round {round}: the catalog does not open: {error}"));
     let batches = session
         .sql("SELECT count(*), CAST(COALESCE(sum(id), 0) AS DECIMAL(38, 0)) FROM t")
         .await
@@ -119,13 +156,23 @@ async fn check(nodes: &[Node], secret: &Secret, catalog: &Path, round: usize) ->
         .collect()
         .await
         .unwrap_or_else(|error| panic!("round {round}: the table cannot be read: {error}"));
-    let text = sieve_cli::compare::rows_as_text(&batches, false).unwrap().join("");
+    let text = sieve_cli::compare::rows_as_text(&batches, false)
+        .unwrap()
+        .join("");
     let (count, sum) = text.split_once(" | ").unwrap();
     let count: u64 = count.trim().parse().unwrap();
     let sum: u128 = sum.trim().parse().unwrap();
-    assert_eq!(count % ROWS_PER_FILE as u64, 0, "round {round}: a partial statement is visible ({count} rows)");
+    assert_eq!(
+        count % ROWS_PER_FILE as u64,
+        0,
+        "round {round}: a partial statement is visible ({count} rows)"
+    );
     let parts = (count / ROWS_PER_FILE as u64) as usize;
-    assert_eq!((count, sum), expected(parts), "round {round}: not the first {parts} files");
+    assert_eq!(
+        (count, sum),
+        expected(parts),
+        "round {round}: not the first {parts} files"
+    );
     // Every slice file on the nodes is one the catalog keeps.
     let kept = session
         .catalog
@@ -144,20 +191,23 @@ async fn check(nodes: &[Node], secret: &Secret, catalog: &Path, round: usize) ->
             }
             for file in std::fs::read_dir(table.path()).unwrap() {
                 let file = file.unwrap().file_name().to_string_lossy().into_owned();
-                assert!(!file.ends_with(".tmp"), "round {round}: a temporary file is left: {name}/{file}");
+                if file.ends_with(".tmp") {
+                    return Err(format!("a temporary file is left: {name}/{file}"));
+                }
                 let slice: u32 = file
                     .trim_start_matches(&format!("{name}-"))
                     .trim_end_matches(".parquet")
                     .parse()
                     .unwrap_or_else(|_| panic!("round {round}: an unknown file {name}/{file}"));
                 assert!(
-                    kept.get(&name).is_some_and(|slices| slices.contains(&slice)),
+                    kept.get(&name)
+                        .is_some_and(|slices| slices.contains(&slice)),
                     "round {round}: {name}/{file} is on a node but no version names it"
                 );
             }
         }
     }
-    parts
+    Ok(parts)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -169,19 +219,33 @@ async fn a_load_killed_at_any_moment_leaves_a_committed_version_and_no_orphan() 
     let seed = std::env::var("SIEVE_CRASH_SEED")
         .ok()
         .and_then(|seed| seed.parse().ok())
-        .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
     println!("seed {seed} (SIEVE_CRASH_SEED), {kills} kills");
     let mut random = Random(seed);
-    let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("crash-loads-{}", std::process::id()));
+    let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("crash-loads-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     let files = root.join("files");
     std::fs::create_dir_all(&files).unwrap();
-    let secret = Secret::from_random_bytes(&std::array::from_fn::<u8, 32, _>(|i| (seed as u8).wrapping_mul(31).wrapping_add(i as u8 * 7 + 1))).unwrap();
+    let secret = Secret::from_random_bytes(&std::array::from_fn::<u8, 32, _>(|i| {
+        (seed as u8).wrapping_mul(31).wrapping_add(i as u8 * 7 + 1)
+    }))
+    .unwrap();
     let mut nodes: Vec<Node> = (0..NODES)
         .map(|node| {
             let directory = node_directory(&root, node);
             std::fs::create_dir_all(&directory).unwrap();
-            Node { directory, flight: free_port(), range: free_port(), child: None }
+            Node {
+                directory,
+                flight: free_port(),
+                range: free_port(),
+                child: None,
+            }
         })
         .collect();
     for node in &mut nodes {
@@ -206,22 +270,38 @@ async fn a_load_killed_at_any_moment_leaves_a_committed_version_and_no_orphan() 
     let created = sql("CREATE TABLE t (id BIGINT NOT NULL, name VARCHAR, v INT) WITH (sort_key = 'id', slice_rows = 500, replicas = 2)")
         .wait_with_output()
         .unwrap();
-    assert!(created.status.success(), "{}", String::from_utf8_lossy(&created.stderr));
+    assert!(
+        created.status.success(),
+        "{}",
+        String::from_utf8_lossy(&created.stderr)
+    );
 
     let mut committed = 0;
     let mut killed_compute = 0;
+    let mut mid_load = 0;
     for round in 0..kills {
-        assert!(committed + 8 < FILES, "the series ran out of files");
+        assert!(
+            committed + STATEMENTS_PER_ROUND < FILES,
+            "the series ran out of files"
+        );
         let mut script = String::new();
-        for part in committed..committed + 8 {
+        for part in committed..committed + STATEMENTS_PER_ROUND {
             let path = files.join(format!("part-{part}.csv"));
             if !path.exists() {
                 write_file(&path, part);
             }
-            writeln!(script, "COPY t FROM '{}' WITH (FORMAT csv);", path.display()).unwrap();
+            writeln!(
+                script,
+                "COPY t FROM '{}' WITH (FORMAT csv);",
+                path.display()
+            )
+            .unwrap();
         }
         let mut compute = sql(&script);
         std::thread::sleep(Duration::from_millis(100 + random.below(1500)));
+        if compute.try_wait().unwrap().is_none() {
+            mid_load += 1;
+        }
         let victim = random.below(NODES as u64 + 2) as usize;
         if victim >= NODES {
             let _ = compute.kill();
@@ -237,11 +317,23 @@ async fn a_load_killed_at_any_moment_leaves_a_committed_version_and_no_orphan() 
             }
         }
         let parts = check(&nodes, &secret, &catalog, round).await;
-        assert!(parts >= committed, "round {round}: committed files were lost ({parts} < {committed})");
+        assert!(
+            parts >= committed,
+            "round {round}: committed files were lost ({parts} < {committed})"
+        );
         committed = parts;
     }
-    println!("{kills} kills ({killed_compute} of the compute node), {committed} files committed");
-    assert!(committed > 0, "no statement ever committed: the kills came too early to test anything");
+    println!(
+        "{kills} kills ({killed_compute} of the compute node, {mid_load} while it was loading), {committed} files committed"
+    );
+    assert!(
+        mid_load * 2 >= kills,
+        "only {mid_load} of {kills} kills landed during a load"
+    );
+    assert!(
+        committed > 0,
+        "no statement ever committed: the kills came too early to test anything"
+    );
     drop(nodes);
     std::fs::remove_dir_all(&root).unwrap();
 }
