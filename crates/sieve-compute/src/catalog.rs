@@ -26,6 +26,9 @@ pub struct ClusterSlice {
     pub range_url: String,
     /// Every node holding a copy, `node` first.
     pub replicas: Vec<usize>,
+    /// Its deleted rows at the version read (a table a user owns): a
+    /// serialized roaring bitmap of row positions, with their count.
+    pub deleted: Option<(Arc<Vec<u8>>, u64)>,
 }
 
 /// What the compute node knows of one storage node's state: its requests in
@@ -384,6 +387,7 @@ fn merge_node_table(
             node,
             range_url,
             replicas: vec![node],
+            deleted: None,
         });
     }
     Ok(())
@@ -453,7 +457,14 @@ fn describe_failures(failures: &[DiscoveryFailure]) -> String {
 
 /// Merge slice summaries into table statistics.
 pub(crate) fn table_statistics(schema: &SchemaRef, slices: &[ClusterSlice]) -> Statistics {
-    let rows: u64 = slices.iter().map(|slice| slice.summary.rows).sum();
+    // Deleted rows are not rows: COUNT(*) may be answered from this.
+    let rows: u64 = slices
+        .iter()
+        .map(|slice| {
+            let deleted = slice.deleted.as_ref().map_or(0, |(_, rows)| *rows);
+            slice.summary.rows.saturating_sub(deleted)
+        })
+        .sum();
     let bytes: u64 = slices.iter().map(|slice| slice.summary.bytes).sum();
     let column_statistics = schema
         .fields()

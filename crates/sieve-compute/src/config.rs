@@ -47,6 +47,10 @@ extensions_options! {
         pub join_filter_keys_max: usize, default = 16 * 1024 * 1024
         /// False-positive rate the join Bloom filters are sized for.
         pub join_filter_bloom_fpp: f64, default = 0.01
+        /// A slice of a table a user owns whose deleted rows reach this
+        /// share of its rows is rewritten (compacted) after the DELETE or
+        /// UPDATE that got it there, in a commit of its own; above 1: never.
+        pub compact_deleted_share: f64, default = 0.3
         /// Integer keys go as an exact bitmap over their range instead of a
         /// Bloom filter when the bitmap takes at most this many bytes, or at
         /// most twice the Bloom filter's; 0 turns key bitmaps off.

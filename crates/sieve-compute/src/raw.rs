@@ -51,6 +51,8 @@ pub fn complete_raw(
     schema: &arrow::datatypes::SchemaRef,
     task_context: Arc<TaskContext>,
     batch_rows: usize,
+    deleted: Option<&sieve_fragment::RoaringBitmap>,
+    row_positions: bool,
 ) -> Result<SendableRecordBatchStream> {
     let metadata =
         std::panic::catch_unwind(|| ParquetMetaDataReader::decode_metadata(&pages.head.footer))
@@ -66,6 +68,15 @@ pub fn complete_raw(
             ));
         }
         access_plan.scan(group);
+    }
+    // Rows deleted at the version read stay out, as on the storage node.
+    if let Some(deleted) = deleted {
+        let rows: Vec<u64> = metadata
+            .row_groups()
+            .iter()
+            .map(|group| group.num_rows() as u64)
+            .collect();
+        access_plan = sieve_fragment::apply_deletions(access_plan, &rows, deleted);
     }
     let file = Arc::new(SparseFile::assemble(pages.chunks)?);
     let SlicePlan { plan, .. } = slice_plan(
@@ -84,6 +95,7 @@ pub fn complete_raw(
             access_plan,
             batch_rows,
             pushdown_filters: false,
+            row_positions,
         },
     )?;
     plan.execute(0, task_context)

@@ -539,6 +539,7 @@ impl RawCompletion {
         pages: RawPages,
         body: &[u8],
         join_filter: Option<Arc<dyn PhysicalExpr>>,
+        deleted: Option<&Vec<u8>>,
     ) -> Result<SendableRecordBatchStream> {
         let mut decoded = self
             .body
@@ -554,12 +555,17 @@ impl RawCompletion {
             decoded = Arc::new(decoded.with_join_filter(filter));
         }
         let batch_rows = self.context.session_config().batch_size();
+        let deleted = deleted
+            .map(|bytes| sieve_fragment::decode_deletions(bytes))
+            .transpose()?;
         complete_raw(
             pages,
             &decoded,
             &self.schema,
             Arc::clone(&self.context),
             batch_rows,
+            deleted.as_ref(),
+            false,
         )
     }
 }
@@ -1151,6 +1157,14 @@ impl SieveScanExec {
                         if let Some(filter) = &body.join_filter {
                             envelope = envelope.with_join_filter(&filter.id);
                         }
+                        let deleted = unit
+                            .slice
+                            .deleted
+                            .as_ref()
+                            .map(|(vector, _)| Arc::clone(vector));
+                        if let Some(deleted) = &deleted {
+                            envelope = envelope.with_deleted(deleted);
+                        }
                         let encoded = prost::Message::encode_to_vec(&envelope);
                         bytes_sent.add(encoded.len());
                         let (completion, body) = (completion.clone(), Arc::clone(&body));
@@ -1166,7 +1180,12 @@ impl SieveScanExec {
                                         .join_filter
                                         .as_ref()
                                         .map(|filter| Arc::clone(&filter.filter));
-                                    match completion.run(pages, &body.body, filter) {
+                                    match completion.run(
+                                        pages,
+                                        &body.body,
+                                        filter,
+                                        deleted.as_deref(),
+                                    ) {
                                         Ok(batches) => batches.map_ok(SlicePart::Batch).boxed(),
                                         Err(error) => stream::once(async { Err(error) }).boxed(),
                                     }

@@ -96,10 +96,32 @@ impl SieveTable {
                 .split_once("/slices/")
                 .map(|(_, rest)| format!("slices/{rest}"))
                 .unwrap_or_default();
-            groups[index % partitions].push(PartitionedFile::new(
+            let mut file = PartitionedFile::new(
                 ClusterRangeStore::path(slice.node, &file_path),
                 slice.summary.bytes,
-            ));
+            );
+            // Deleted rows stay out: an access plan without them, which
+            // DataFusion's Parquet scan honours (and intersects with its
+            // own pruning).
+            if let Some((deleted, _)) = &slice.deleted {
+                let rows = &slice.summary.row_group_rows;
+                if rows.len() != slice.summary.row_groups as usize {
+                    return datafusion::common::exec_err!(
+                        "slice {} has deleted rows but its node did not say how many rows each row group has",
+                        slice.summary.slice
+                    );
+                }
+                let deleted = sieve_fragment::decode_deletions(deleted)?;
+                let plan = sieve_fragment::apply_deletions(
+                    datafusion::datasource::physical_plan::parquet::ParquetAccessPlan::new_all(
+                        rows.len(),
+                    ),
+                    rows,
+                    &deleted,
+                );
+                file = file.with_extension(plan);
+            }
+            groups[index % partitions].push(file);
         }
         let mut needed: Vec<usize> = projection.to_vec();
         if let Some(predicate) = &predicate {

@@ -47,6 +47,11 @@ pub struct SliceSummary {
     /// ([`crate::TABLE_SLICES_KEY`]); absent from older nodes' summaries.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub table_slices: Option<u32>,
+    /// Rows of each row group, in order (for readers that must place row
+    /// positions in row groups without the footer: deleted rows); absent
+    /// from older nodes' summaries.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub row_group_rows: Vec<u64>,
 }
 
 /// A table as one storage node holds it: the slices on that node.

@@ -67,6 +67,16 @@ pub struct FragmentEnvelope {
     /// under [`HEARTBEAT_MS_MIN`] count as that.
     #[prost(uint32, tag = "8")]
     pub heartbeat_ms: u32,
+    /// The slice's deleted rows at the version the query reads (a table a
+    /// user owns): a serialized roaring bitmap of row positions in the
+    /// file ([`crate::decode_deletions`]); empty for none.
+    #[prost(bytes = "vec", tag = "9")]
+    pub deleted: Vec<u8>,
+    /// Ship each row's position in the slice file (an Int64 column after
+    /// the projected ones): what DELETE and UPDATE ask for. Not with a
+    /// pushed aggregation.
+    #[prost(bool, tag = "10")]
+    pub row_positions: bool,
 }
 
 /// The shortest heartbeat interval a storage node honours, in milliseconds:
@@ -372,7 +382,16 @@ impl FragmentEnvelope {
             ipc_codec: IpcCodec::Auto.wire(),
             join_filter: vec![],
             heartbeat_ms: 0,
+            deleted: vec![],
+            row_positions: false,
         }
+    }
+
+    /// This envelope leaving out the slice's deleted rows (a serialized
+    /// deletion vector; empty for none).
+    pub fn with_deleted(mut self, deleted: &[u8]) -> Self {
+        self.deleted = deleted.to_vec();
+        self
     }
 
     /// This envelope asking for heartbeats every `interval` while the

@@ -36,6 +36,7 @@ mod auth;
 mod bitmap;
 mod bloom;
 mod codec;
+mod deletions;
 mod envelope;
 mod errors;
 mod join_filter;
@@ -53,6 +54,9 @@ pub use auth::{Secret, AUTHORIZATION_HEADER, SECRET_BYTES_MAX, SECRET_BYTES_MIN}
 pub use bitmap::{KeyBitmapExpr, KEY_BITMAP_BYTES_MAX};
 pub use bloom::{BloomFilterExpr, BLOOM_FILTER_BYTES_MAX};
 pub use codec::{SieveCodec, SliceInputExec};
+pub use deletions::{
+    apply_deletions, decode_deletions, encode_deletions, DELETION_VECTOR_BYTES_MAX,
+};
 pub use envelope::{
     schema_fingerprint, ByteRange, DecodedBody, Fragment, FragmentBody, FragmentEnvelope, IpcCodec,
     RawSlice, SliceMessage, SliceMessageKind, SliceMetrics, FRAGMENT_BYTES_MAX, FRAGMENT_VERSION,
@@ -72,5 +76,6 @@ pub use limits::{
     EXPRESSION_NODES_MAX, LITERAL_BYTES_MAX,
 };
 pub use pruning::{pruning_predicate, reads_float_column};
-pub use slice_plan::{needed_columns, slice_plan, SlicePlan, SliceSource};
+pub use roaring::RoaringBitmap;
+pub use slice_plan::{needed_columns, slice_plan, SlicePlan, SliceSource, ROW_POSITION_COLUMN};
 pub use wire::{narrow, widen, wire_schema, wire_type};

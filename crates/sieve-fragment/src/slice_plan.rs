@@ -61,7 +61,14 @@ pub struct SliceSource {
     pub batch_rows: usize,
     /// Evaluate the predicate inside the Parquet decoder as well.
     pub pushdown_filters: bool,
+    /// Ship each row's position in the file as a last column
+    /// ([`ROW_POSITION_COLUMN`], Int64).
+    pub row_positions: bool,
 }
+
+/// Name of the column of row positions a fragment ships when asked
+/// (`FragmentEnvelope::row_positions`).
+pub const ROW_POSITION_COLUMN: &str = "__sieve_row_position";
 
 /// A fragment's plan over one slice.
 #[derive(Debug)]
@@ -80,8 +87,29 @@ pub fn slice_plan(
     body: &DecodedBody,
     source: SliceSource,
 ) -> Result<SlicePlan> {
-    let needed = needed_columns(body);
-    let mut parquet = ParquetSource::new(Arc::clone(schema))
+    if source.row_positions && body.aggregate.is_some() {
+        return datafusion::common::plan_err!(
+            "row positions are not shipped with a pushed aggregation"
+        );
+    }
+    let mut needed = needed_columns(body);
+    let table_schema = if source.row_positions {
+        // The Parquet reader's own row numbers: a virtual column after the
+        // file's columns.
+        let field = arrow::datatypes::Field::new(
+            ROW_POSITION_COLUMN,
+            arrow::datatypes::DataType::Int64,
+            false,
+        )
+        .with_extension_type(datafusion::parquet::arrow::RowNumber);
+        needed.push(schema.fields().len());
+        datafusion_datasource::TableSchema::builder(Arc::clone(schema))
+            .with_virtual_columns(vec![Arc::new(field)])
+            .build()
+    } else {
+        datafusion_datasource::TableSchema::from(Arc::clone(schema))
+    };
+    let mut parquet = ParquetSource::new(table_schema)
         .with_parquet_file_reader_factory(source.reader_factory)
         .with_enable_page_index(false)
         .with_bloom_filter_on_read(false);
@@ -100,7 +128,7 @@ pub fn slice_plan(
         .with_batch_size(Some(source.batch_rows))
         .build();
     let scan: Arc<dyn ExecutionPlan> = DataSourceExec::from_data_source(config);
-    let shipped: Vec<usize> = body
+    let mut shipped: Vec<usize> = body
         .projection
         .iter()
         .map(|column| {
@@ -109,6 +137,9 @@ pub fn slice_plan(
                 .expect("needed holds every projected column")
         })
         .collect();
+    if source.row_positions {
+        shipped.push(needed.len() - 1);
+    }
     let plan: Arc<dyn ExecutionPlan> = match &body.predicate {
         Some(predicate) => {
             // LIKE with inner wildcards as substring searches (like.rs).

@@ -327,6 +327,9 @@ impl QueryHook for SieveStatements {
         context: &SessionContext,
         _client: &mut dyn HookClient,
     ) -> Option<PgWireResult<Response>> {
+        if let Err(error) = sieve_compute::tables::statements::refuse_unsound_dml(statement) {
+            return Some(Err(api_error(error)));
+        }
         let tag = sieve_statement_tag(statement)?;
         Some(run_sieve_statement(context, statement, tag).await)
     }
@@ -337,6 +340,9 @@ impl QueryHook for SieveStatements {
         _context: &SessionContext,
         _client: &(dyn ClientInfo + Send + Sync),
     ) -> Option<PgWireResult<LogicalPlan>> {
+        if let Err(error) = sieve_compute::tables::statements::refuse_unsound_dml(statement) {
+            return Some(Err(api_error(error)));
+        }
         sieve_statement_tag(statement)?;
         // No result columns; the statement runs at execution.
         Some(Ok(LogicalPlan::EmptyRelation(

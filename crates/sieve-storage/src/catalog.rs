@@ -458,6 +458,11 @@ fn open_slice(
             .map(|name| name.to_string_lossy().into_owned())
             .unwrap_or_default(),
         table_slices: table_slices(&metadata),
+        row_group_rows: metadata
+            .row_groups()
+            .iter()
+            .map(|group| group.num_rows() as u64)
+            .collect(),
     };
     let checksums = sieve_format::PageChecksums::from_metadata(&metadata)?;
     if checksums.is_none() {

@@ -260,6 +260,9 @@ impl SliceExecutor {
         let (table, slice) = self.catalog.slice(&envelope.table, envelope.slice)?;
         let schema = Arc::clone(&table.schema);
         let mut body = self.decoded_body(&envelope, &schema)?;
+        let deleted = (!envelope.deleted.is_empty())
+            .then(|| sieve_fragment::decode_deletions(&envelope.deleted))
+            .transpose()?;
         let mut join_filter_missing = false;
         if !envelope.join_filter.is_empty() {
             let id = join_filter_id(&envelope.join_filter)?;
@@ -315,9 +318,18 @@ impl SliceExecutor {
                 store_url: ObjectStoreUrl::local_filesystem(),
                 location: slice.object_path.to_string(),
                 file_bytes: slice.summary.bytes,
-                access_plan: hints.access_plan.clone(),
+                access_plan: match &deleted {
+                    // Rows deleted at the version the query reads stay out.
+                    Some(deleted) => sieve_fragment::apply_deletions(
+                        hints.access_plan.clone(),
+                        &slice.summary.row_group_rows,
+                        deleted,
+                    ),
+                    None => hints.access_plan.clone(),
+                },
                 batch_rows: self.options.batch_rows,
                 pushdown_filters: self.options.pushdown_filters,
+                row_positions: envelope.row_positions,
             },
         )?;
         let inner = plan.execute(0, Arc::clone(&self.task_context))?;
@@ -329,6 +341,8 @@ impl SliceExecutor {
                 .projection
                 .iter()
                 .map(|&column| int64_fits_in_32_bits(&slice.metadata, column))
+                // Row positions travel as they are.
+                .chain(envelope.row_positions.then_some(false))
                 .collect(),
         };
         // Partial aggregation states travel as they are: they are few, and a

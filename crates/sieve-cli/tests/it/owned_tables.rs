@@ -575,3 +575,285 @@ async fn inserts_create_as_truncate_and_drop_commit_whole_and_survive_a_restart(
     drop(cluster);
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+const EVENTS: usize = 300_000;
+
+fn events_batch(start: usize, rows: usize) -> RecordBatch {
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("k", DataType::Int64, true),
+        Field::new("amount", DataType::Decimal128(12, 2), true),
+        Field::new("label", DataType::Utf8, true),
+        Field::new("day", DataType::Date32, true),
+    ]));
+    let range = start..start + rows;
+    RecordBatch::try_new(
+        schema,
+        vec![
+            Arc::new(Int64Array::from_iter_values(
+                range.clone().map(|i| i as i64),
+            )) as ArrayRef,
+            Arc::new(Int64Array::from_iter(
+                range
+                    .clone()
+                    .map(|i| (i % 17 != 0).then_some((i % 7) as i64)),
+            )),
+            Arc::new(
+                Decimal128Array::from_iter(
+                    range
+                        .clone()
+                        .map(|i| (i % 13 != 0).then_some((i * 7 % 10_000) as i128)),
+                )
+                .with_precision_and_scale(12, 2)
+                .unwrap(),
+            ),
+            Arc::new(StringArray::from_iter(
+                range
+                    .clone()
+                    .map(|i| (i % 5 != 0).then(|| format!("l{}", i % 11))),
+            )),
+            Arc::new(Date32Array::from_iter(
+                range.map(|i| Some(19_000 + (i / 100) as i32)),
+            )),
+        ],
+    )
+    .unwrap()
+}
+
+/// The table equals the model's, with NDP on and off.
+async fn same(session: &SieveSession, model: &SessionContext, what: &str) {
+    for ndp in [true, false] {
+        session.set_ndp(ndp).unwrap();
+        for sql in [
+            "SELECT * FROM events",
+            "SELECT count(*), sum(amount), count(k), count(label), min(id), max(id) FROM events",
+            "SELECT k, count(*), sum(amount) FROM events WHERE day > DATE '2022-01-01' GROUP BY k",
+        ] {
+            let expected = rows_as_text(&run(model, sql).await.unwrap(), true).unwrap();
+            assert_eq!(
+                sql_rows(session, sql).await.unwrap(),
+                expected,
+                "{what}, ndp {ndp}: {sql}"
+            );
+        }
+    }
+    session.set_ndp(true).unwrap();
+}
+
+/// Pages of table `name` at the latest version.
+fn table_pages(session: &SieveSession, name: &str) -> usize {
+    let owned = session.catalog.owned.as_ref().unwrap();
+    let version = owned.store().latest_version().unwrap();
+    let snapshot = owned.store().snapshot(name, version).unwrap().unwrap();
+    snapshot
+        .slices
+        .iter()
+        .map(|slice| slice.summary.pages as usize)
+        .sum()
+}
+
+/// Pages the scans of `sql` considered and read, and its rows.
+async fn pages(session: &SieveSession, sql: &str) -> (usize, usize, Vec<String>) {
+    let frame = session.sql(sql).await.unwrap();
+    let plan = frame.create_physical_plan().await.unwrap();
+    let batches = datafusion::physical_plan::collect(Arc::clone(&plan), session.context.task_ctx())
+        .await
+        .unwrap();
+    let (mut considered, mut read) = (0, 0);
+    let mut stack = vec![plan];
+    while let Some(node) = stack.pop() {
+        if node.name() == "SieveScanExec" {
+            let metrics = node.metrics().unwrap();
+            considered += metrics
+                .sum_by_name("pages_considered")
+                .map_or(0, |value| value.as_usize());
+            read += metrics
+                .sum_by_name("pages_read")
+                .map_or(0, |value| value.as_usize());
+        }
+        stack.extend(node.children().into_iter().cloned());
+    }
+    (considered, read, rows_as_text(&batches, true).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deletes_and_updates_equal_plain_datafusion_and_keep_pages_pruned() {
+    let root = root("deletes");
+    let files = root.join("files");
+    write_parquet(
+        &files.join("events.parquet"),
+        &[
+            events_batch(0, EVENTS / 2),
+            events_batch(EVENTS / 2, EVENTS / 2),
+        ],
+    );
+    let (cluster, session) = start(&root).await;
+    session
+        .sql("CREATE TABLE events (id BIGINT NOT NULL, k BIGINT, amount DECIMAL(12, 2), label VARCHAR, day DATE) \
+              WITH (sort_key = 'id', slice_rows = 20000)")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    sql_rows(
+        &session,
+        &format!(
+            "COPY events FROM '{}'",
+            files.join("events.parquet").display()
+        ),
+    )
+    .await
+    .unwrap();
+    // The model: the same rows in a DataFusion memory table, which runs
+    // DELETE and UPDATE itself.
+    let model = SessionContext::new();
+    let schema = table_schema(&session, "events");
+    let rows = model
+        .read_parquet(
+            files.join("events.parquet").to_string_lossy().as_ref(),
+            ParquetReadOptions::default(),
+        )
+        .await
+        .unwrap();
+    let columns: Vec<_> = schema
+        .fields()
+        .iter()
+        .map(|field| {
+            datafusion::prelude::cast(
+                datafusion::prelude::col(field.name()),
+                field.data_type().clone(),
+            )
+            .alias(field.name())
+        })
+        .collect();
+    let rows = rows.select(columns).unwrap().collect().await.unwrap();
+    model
+        .register_table(
+            "events",
+            Arc::new(MemTable::try_new(Arc::clone(&schema), vec![rows]).unwrap()),
+        )
+        .unwrap();
+    same(&session, &model, "loaded").await;
+
+    // 30% of the rows deleted, compaction held back: pruning is unchanged.
+    sql_rows(&session, "SET sieve.compact_deleted_share = 2")
+        .await
+        .unwrap();
+    let range = "SELECT * FROM events WHERE id BETWEEN 50000 AND 50499";
+    for sql in [
+        "DELETE FROM events WHERE id % 10 < 3",
+        "UPDATE events SET amount = amount * 2, label = 'doubled' WHERE k = 3",
+        "DELETE FROM events WHERE label IS NULL AND id > 90000",
+        "UPDATE events SET k = NULL, day = day + INTERVAL '1' DAY WHERE id BETWEEN 1000 AND 1999",
+        "DELETE FROM events WHERE id < 200",
+        "DELETE FROM events WHERE id < 0",
+    ] {
+        let ours = sql_rows(&session, sql)
+            .await
+            .unwrap_or_else(|error| panic!("{sql}: {error}"));
+        let theirs = rows_as_text(&run(&model, sql).await.unwrap(), true).unwrap();
+        assert_eq!(ours, theirs, "{sql}");
+        same(&session, &model, sql).await;
+    }
+    let (considered, read, rows) = pages(&session, range).await;
+    assert_eq!(
+        rows,
+        rows_as_text(&run(&model, range).await.unwrap(), true).unwrap()
+    );
+    let table = table_pages(&session, "events");
+    assert!(
+        read * 10 < table,
+        "after deletes: read {read} of {considered} pages considered, {table} in the table"
+    );
+    let owned = session.catalog.owned.as_ref().unwrap();
+    let deleted = |owned: &Arc<sieve_compute::tables::OwnedTables>| {
+        let version = owned.store().latest_version().unwrap();
+        let snapshot = owned.store().snapshot("events", version).unwrap().unwrap();
+        let past_share = snapshot
+            .slices
+            .iter()
+            .filter(|slice| slice.deleted_rows * 10 >= slice.summary.rows * 3)
+            .count();
+        (
+            snapshot.slices.len(),
+            snapshot
+                .slices
+                .iter()
+                .map(|slice| slice.deleted_rows)
+                .sum::<u64>(),
+            past_share,
+        )
+    };
+    let (slices_before, deleted_before, past_before) = deleted(owned);
+    assert!(
+        deleted_before as usize >= EVENTS * 3 / 10,
+        "{deleted_before} rows deleted"
+    );
+    assert!(past_before >= 5, "{past_before} slices past 30% deleted");
+
+    // A DELETE with compaction on rewrites the slices past 30% deleted.
+    sql_rows(&session, "SET sieve.compact_deleted_share = 0.3")
+        .await
+        .unwrap();
+    sql_rows(&session, "DELETE FROM events WHERE id = -1")
+        .await
+        .unwrap();
+    let (slices_after, deleted_after, past_after) = deleted(owned);
+    assert_eq!(past_after, 0, "a slice past 30% deleted was not rewritten");
+    assert!(
+        deleted_after * 10 < deleted_before,
+        "{deleted_after} deleted rows left of {deleted_before}"
+    );
+    assert!(
+        slices_after <= slices_before,
+        "{slices_after} slices from {slices_before}"
+    );
+    same(&session, &model, "after compaction").await;
+    let (considered, read, rows) = pages(&session, range).await;
+    assert_eq!(
+        rows,
+        rows_as_text(&run(&model, range).await.unwrap(), true).unwrap()
+    );
+    let table = table_pages(&session, "events");
+    assert!(
+        read * 10 < table,
+        "after compaction: read {read} of {considered} pages considered, {table} in the table"
+    );
+
+    // A WHERE the storage nodes cannot run is refused, changing nothing.
+    // (DataFusion 55 would hand the table only the subquery's own filter.)
+    for sql in [
+        "DELETE FROM events WHERE id IN (SELECT id FROM events WHERE k = 1)",
+        "UPDATE events SET k = 0 WHERE EXISTS (SELECT 1 FROM events e WHERE e.id = events.id + 1)",
+        "UPDATE events SET k = (SELECT max(k) FROM events) WHERE id = 7",
+    ] {
+        let error = session.sql(sql).await.unwrap_err().to_string();
+        assert!(
+            error.contains("subquery is not supported"),
+            "{sql}: {error}"
+        );
+    }
+    same(&session, &model, "after a refused DELETE").await;
+
+    // Over raw slices (every node too busy to run fragments), the same rows.
+    drop(session);
+    drop(cluster);
+    let cluster = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();
+    let session = connect_session_with_tables(
+        &cluster.urls(),
+        Some(cluster.secret()),
+        SessionConfig::new(),
+        Some(&root.join("catalog.sqlite")),
+    )
+    .await
+    .unwrap();
+    let sql = "UPDATE events SET label = 'raw' WHERE k = 5";
+    let ours = sql_rows(&session, sql).await.unwrap();
+    let theirs = rows_as_text(&run(&model, sql).await.unwrap(), true).unwrap();
+    assert_eq!(ours, theirs, "raw: {sql}");
+    same(&session, &model, "raw slices").await;
+    drop(session);
+    drop(cluster);
+    std::fs::remove_dir_all(&root).unwrap();
+}

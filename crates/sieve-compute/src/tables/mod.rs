@@ -21,6 +21,8 @@
 //! which slices of owned tables to keep, so files of statements that
 //! never committed (a crash in the middle of a load) are removed.
 
+mod compact;
+mod delete;
 mod provider;
 mod schema;
 pub mod statements;
@@ -34,10 +36,12 @@ use std::sync::{Arc, Mutex, Weak};
 
 use datafusion::common::Result;
 
+pub use compact::{compact, COMPACT_DELETED_SHARE};
+pub use delete::{ChangeRowsExec, RowChange};
 pub use provider::OwnedTable;
 pub use schema::SieveSchema;
 pub use store::{
-    Change, SliceEntry, Snapshot, TableEntry, TableLayout, TableStore, WrittenSlice,
+    Change, Deletion, SliceEntry, Snapshot, TableEntry, TableLayout, TableStore, WrittenSlice,
     SLICE_ROWS_DEFAULT,
 };
 pub use writer::{TableWriter, SLICE_BUFFER_BYTES_MAX};
@@ -201,6 +205,10 @@ impl OwnedTables {
                     node,
                     range_url: format!("{base}/slices/{storage_name}/{}", slice.summary.file),
                     replicas: slice.nodes.clone(),
+                    deleted: slice
+                        .deleted
+                        .as_ref()
+                        .map(|vector| (Arc::clone(vector), slice.deleted_rows)),
                 }
             })
             .collect();

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::{Session, TableProvider};
-use datafusion::common::{not_impl_err, Result, Statistics};
+use datafusion::common::{not_impl_err, DFSchema, Result, Statistics};
 use datafusion::datasource::TableType;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::dml::InsertOp;
@@ -15,8 +15,9 @@ use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan};
 use datafusion_datasource::sink::{DataSink, DataSinkExec};
 use futures::StreamExt;
 
+use super::delete::{ChangeRowsExec, RowChange};
 use super::{Change, OwnedTables, Snapshot, TableWriter, VersionPin};
-use crate::{ClusterCatalog, SieveTable, Traffic};
+use crate::{ClusterCatalog, ClusterTable, SieveTable, Traffic};
 
 /// A table a user owns, at the version it was looked up at.
 #[derive(Debug)]
@@ -24,6 +25,9 @@ pub struct OwnedTable {
     tables: Arc<OwnedTables>,
     snapshot: Snapshot,
     read: SieveTable,
+    catalog: Arc<ClusterCatalog>,
+    traffic: Arc<Traffic>,
+    cluster_table: Arc<ClusterTable>,
 }
 
 impl OwnedTable {
@@ -38,15 +42,18 @@ impl OwnedTable {
         let Some(snapshot) = tables.store().snapshot(name, pin.version())? else {
             return Ok(None);
         };
-        let cluster_table = tables.cluster_table(&snapshot, &pin);
+        let cluster_table = Arc::new(tables.cluster_table(&snapshot, &pin));
         Ok(Some(Self {
             tables: Arc::clone(tables),
             read: SieveTable::new(
-                Arc::new(cluster_table),
+                Arc::clone(&cluster_table),
                 Arc::clone(catalog),
                 Arc::clone(traffic),
             ),
             snapshot,
+            catalog: Arc::clone(catalog),
+            traffic: Arc::clone(traffic),
+            cluster_table,
         }))
     }
 
@@ -110,6 +117,74 @@ impl TableProvider for OwnedTable {
         Ok(Arc::new(DataSinkExec::new(input, Arc::new(sink), None)))
     }
 
+    /// The rows `filters` keep, found on the storage nodes and deleted in
+    /// one commit when the plan runs ([`super::delete`]).
+    async fn delete_from(
+        &self,
+        state: &dyn Session,
+        filters: Vec<Expr>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let predicate = self.physical_predicate(state, filters)?;
+        Ok(Arc::new(ChangeRowsExec::new(
+            Arc::clone(&self.tables),
+            Arc::clone(&self.catalog),
+            Arc::clone(&self.traffic),
+            self.snapshot.clone(),
+            Arc::clone(&self.cluster_table),
+            predicate,
+            RowChange::Delete,
+            format!("DELETE FROM {}", self.snapshot.table.name),
+        )))
+    }
+
+    /// The rows `filters` keep get the assigned values: their old versions
+    /// deleted and the new written as new slices, in one commit.
+    async fn update(
+        &self,
+        state: &dyn Session,
+        assignments: Vec<(String, Expr)>,
+        filters: Vec<Expr>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let schema = Arc::clone(&self.snapshot.table.schema);
+        let df_schema = DFSchema::try_from(Arc::clone(&schema))?;
+        let mut values: Vec<Arc<dyn datafusion::physical_expr::PhysicalExpr>> = schema
+            .fields()
+            .iter()
+            .enumerate()
+            .map(|(index, field)| {
+                Arc::new(datafusion::physical_expr::expressions::Column::new(
+                    field.name(),
+                    index,
+                )) as Arc<dyn datafusion::physical_expr::PhysicalExpr>
+            })
+            .collect();
+        for (column, value) in assignments {
+            let Ok(index) = schema.index_of(&column) else {
+                return datafusion::common::plan_err!(
+                    "UPDATE: table '{}' has no column '{column}'",
+                    self.snapshot.table.name
+                );
+            };
+            let value = datafusion::logical_expr::ExprSchemable::cast_to(
+                value,
+                schema.field(index).data_type(),
+                &df_schema,
+            )?;
+            values[index] = state.create_physical_expr(value, &df_schema)?;
+        }
+        let predicate = self.physical_predicate(state, filters)?;
+        Ok(Arc::new(ChangeRowsExec::new(
+            Arc::clone(&self.tables),
+            Arc::clone(&self.catalog),
+            Arc::clone(&self.traffic),
+            self.snapshot.clone(),
+            Arc::clone(&self.cluster_table),
+            predicate,
+            RowChange::Update(values),
+            format!("UPDATE {}", self.snapshot.table.name),
+        )))
+    }
+
     /// Every slice removed in one commit, when the plan runs (so EXPLAIN
     /// changes nothing); answers the rows removed.
     async fn truncate(&self, _state: &dyn Session) -> Result<Arc<dyn ExecutionPlan>> {
@@ -130,6 +205,29 @@ impl TableProvider for OwnedTable {
             Arc::clone(&self.snapshot.table.schema),
         ));
         Ok(Arc::new(DataSinkExec::new(nothing, Arc::new(sink), None)))
+    }
+}
+
+impl OwnedTable {
+    /// `filters` as one predicate over the table schema, checked against
+    /// the fragment's allow-list: the storage nodes evaluate it.
+    fn physical_predicate(
+        &self,
+        state: &dyn Session,
+        filters: Vec<Expr>,
+    ) -> Result<Option<Arc<dyn datafusion::physical_expr::PhysicalExpr>>> {
+        let schema = Arc::clone(&self.snapshot.table.schema);
+        let df_schema = DFSchema::try_from(Arc::clone(&schema))?;
+        let Some(filter) = datafusion::logical_expr::utils::conjunction(filters) else {
+            return Ok(None);
+        };
+        let predicate = state.create_physical_expr(filter, &df_schema)?;
+        sieve_fragment::check_allowed(&predicate, &schema).map_err(|error| {
+            datafusion::common::DataFusionError::Plan(format!(
+                "this WHERE cannot run on the storage nodes, so DELETE and UPDATE refuse it: {error}"
+            ))
+        })?;
+        Ok(Some(predicate))
     }
 }
 

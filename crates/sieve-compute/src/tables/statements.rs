@@ -91,6 +91,10 @@ pub fn handled(
         }
         return Ok(None);
     }
+    if head.starts_with("delete") || head.starts_with("update") {
+        check_dml_where(context, sql)?;
+        return Ok(None);
+    }
     if !head.starts_with("create") {
         return Ok(None);
     }
@@ -124,6 +128,64 @@ pub fn handled(
         }
         _ => Ok(None),
     }
+}
+
+/// DataFusion 55 hands a table's `delete_from` and `update` only the
+/// filters on the table itself: a subquery in WHERE (decorrelated into a
+/// join) or UPDATE ... FROM would lose its join and change the wrong rows.
+/// Such statements are refused here, before anything runs.
+fn check_dml_where(context: &SessionContext, sql: &str) -> Result<()> {
+    let dialect = context.state().config().options().sql_parser.dialect;
+    let Some(dialect) = datafusion::sql::sqlparser::dialect::dialect_from_str(dialect.as_ref())
+    else {
+        return Ok(());
+    };
+    let Ok(statements) = DFParser::parse_sql_with_dialect(sql, dialect.as_ref()) else {
+        return Ok(());
+    };
+    for statement in statements {
+        if let DFStatement::Statement(statement) = statement {
+            refuse_unsound_dml(&statement)?;
+        }
+    }
+    Ok(())
+}
+
+/// Refuse a DELETE or UPDATE whose WHERE or SET holds a subquery, DELETE
+/// ... USING and UPDATE ... FROM (see [`check_dml_where`]); other
+/// statements pass.
+pub fn refuse_unsound_dml(statement: &SqlStatement) -> Result<()> {
+    use datafusion::sql::sqlparser::ast::{visit_expressions, Expr as E};
+    use std::ops::ControlFlow;
+    let what = match statement {
+        SqlStatement::Delete(delete) => {
+            if delete.using.is_some() {
+                return plan_err!(
+                    "DELETE ... USING is not supported: use WHERE on the table's own columns"
+                );
+            }
+            "DELETE"
+        }
+        SqlStatement::Update(update) => {
+            if update.from.is_some() {
+                return plan_err!(
+                    "UPDATE ... FROM is not supported: use WHERE on the table's own columns"
+                );
+            }
+            "UPDATE"
+        }
+        _ => return Ok(()),
+    };
+    let subquery = visit_expressions(statement, |expr| match expr {
+        E::Subquery(_) | E::Exists { .. } | E::InSubquery { .. } => ControlFlow::Break(()),
+        _ => ControlFlow::Continue(()),
+    });
+    if subquery.is_break() {
+        return plan_err!(
+                "{what} with a subquery is not supported: its WHERE (and SET) may name only the table's own columns"
+            );
+    }
+    Ok(())
 }
 
 fn owned(catalog: &ClusterCatalog) -> Result<&Arc<OwnedTables>> {

@@ -12,6 +12,8 @@
 //!  slices    number (unique, never reused), table id, nodes, summary (JSON),
 //!            added (version; NULL until committed), removed (version),
 //!            purged (its files deleted from the nodes)
+//!  deletions slice, version, vector (a roaring bitmap of the slice's
+//!            deleted row positions, all of them as of that version), count
 //!  meta      next slice number, node count
 //! ```
 //!
@@ -79,6 +81,29 @@ pub struct SliceEntry {
     pub nodes: Vec<usize>,
     /// What its node answered when it was written.
     pub summary: SliceSummary,
+    /// Its deleted rows at the version read: a serialized roaring bitmap
+    /// of row positions in the file, `None` if none were deleted.
+    pub deleted: Option<Arc<Vec<u8>>>,
+    /// How many rows `deleted` holds.
+    pub deleted_rows: u64,
+    /// The version that wrote `deleted` (0: none).
+    pub deleted_version: u64,
+}
+
+/// New deleted rows of one slice, for a commit.
+#[derive(Debug, Clone)]
+pub struct Deletion {
+    /// Slice number.
+    pub slice: u32,
+    /// Every deleted row of the slice after the commit (a serialized
+    /// roaring bitmap).
+    pub vector: Vec<u8>,
+    /// How many rows `vector` holds.
+    pub rows: u64,
+    /// The deletion version the statement read (`SliceEntry::deleted_version`):
+    /// if another commit changed the slice's deletions since, this one
+    /// conflicts.
+    pub base: u64,
 }
 
 /// A table at one version.
@@ -113,6 +138,11 @@ pub struct Change {
     /// Make the table (created by `CREATE ... AS` with `created` NULL)
     /// visible in this commit.
     pub publish: bool,
+    /// Rows deleted from slices that stay.
+    pub deletions: Vec<Deletion>,
+    /// Slices that must still have the deletion version given when the
+    /// commit lands (a compaction rewrote their rows as of it).
+    pub expect: Vec<(u32, u64)>,
 }
 
 /// The SQLite catalog. One connection, behind a mutex: commits are short.
@@ -167,7 +197,13 @@ impl TableStore {
                      added INTEGER,
                      removed INTEGER,
                      purged INTEGER NOT NULL DEFAULT 0);
-                 CREATE INDEX IF NOT EXISTS slices_of_table ON slices(table_id);",
+                 CREATE INDEX IF NOT EXISTS slices_of_table ON slices(table_id);
+                 CREATE TABLE IF NOT EXISTS deletions(
+                     slice INTEGER NOT NULL REFERENCES slices(slice),
+                     version INTEGER NOT NULL,
+                     vector BLOB NOT NULL,
+                     deleted INTEGER NOT NULL,
+                     PRIMARY KEY(slice, version));",
             )
             .map_err(sql_error)?;
         let store = Self {
@@ -274,10 +310,12 @@ impl TableStore {
         let connection = self.lock();
         let mut statement = connection
             .prepare(
-                "SELECT slice, nodes, summary FROM slices
-                 WHERE table_id = ?1 AND added IS NOT NULL AND added <= ?2
-                   AND (removed IS NULL OR removed > ?2)
-                 ORDER BY slice",
+                "SELECT s.slice, s.nodes, s.summary, d.vector, d.deleted, d.version
+                 FROM slices s LEFT JOIN deletions d ON d.slice = s.slice AND d.version = (
+                     SELECT MAX(version) FROM deletions WHERE slice = s.slice AND version <= ?2)
+                 WHERE s.table_id = ?1 AND s.added IS NOT NULL AND s.added <= ?2
+                   AND (s.removed IS NULL OR s.removed > ?2)
+                 ORDER BY s.slice",
             )
             .map_err(sql_error)?;
         let rows = statement
@@ -286,13 +324,20 @@ impl TableStore {
                     row.get::<_, i64>(0)?,
                     row.get::<_, String>(1)?,
                     row.get::<_, String>(2)?,
+                    row.get::<_, Option<Vec<u8>>>(3)?,
+                    row.get::<_, Option<i64>>(4)?,
+                    row.get::<_, Option<i64>>(5)?,
                 ))
             })
             .map_err(sql_error)?;
         let mut slices = Vec::new();
         for row in rows {
-            let (slice, nodes, summary) = row.map_err(sql_error)?;
+            let (slice, nodes, summary, vector, deleted_rows, deleted_version) =
+                row.map_err(sql_error)?;
             slices.push(SliceEntry {
+                deleted: vector.map(Arc::new),
+                deleted_rows: deleted_rows.unwrap_or(0) as u64,
+                deleted_version: deleted_version.unwrap_or(0) as u64,
                 slice: slice as u32,
                 nodes: serde_json::from_str(&nodes)
                     .map_err(|error| DataFusionError::External(Box::new(error)))?,
@@ -504,6 +549,45 @@ impl TableStore {
                 );
             }
         }
+        let deletion_version = |slice: u32| -> Result<u64> {
+            transaction
+                .query_row(
+                    "SELECT COALESCE(MAX(version), 0) FROM deletions WHERE slice = ?1",
+                    [slice as i64],
+                    |row| row.get::<_, i64>(0),
+                )
+                .map(|version| version as u64)
+                .map_err(sql_error)
+        };
+        for (slice, base) in &change.expect {
+            if deletion_version(*slice)? != *base {
+                return exec_err!(
+                    "conflict: rows of slice {slice} were deleted by another statement that committed first; nothing was committed"
+                );
+            }
+        }
+        for deletion in &change.deletions {
+            let live: bool = transaction
+                .query_row(
+                    "SELECT COUNT(*) > 0 FROM slices WHERE slice = ?1 AND table_id = ?2
+                     AND added IS NOT NULL AND removed IS NULL",
+                    params![deletion.slice as i64, table as i64],
+                    |row| row.get(0),
+                )
+                .map_err(sql_error)?;
+            if !live || deletion_version(deletion.slice)? != deletion.base {
+                return exec_err!(
+                    "conflict: slice {} was changed by another statement that committed first; nothing was committed",
+                    deletion.slice
+                );
+            }
+            transaction
+                .execute(
+                    "INSERT INTO deletions(slice, version, vector, deleted) VALUES (?1, ?2, ?3, ?4)",
+                    params![deletion.slice as i64, version, deletion.vector, deletion.rows as i64],
+                )
+                .map_err(sql_error)?;
+        }
         transaction.commit().map_err(sql_error)?;
         Ok(version as u64)
     }
@@ -692,6 +776,7 @@ mod tests {
             columns: vec![],
             file: sieve_format::slice_file_name("t@1", slice),
             table_slices: None,
+            row_group_rows: vec![],
         }
     }
 
@@ -731,7 +816,7 @@ mod tests {
                 &Change {
                     added: vec![written(second)],
                     removed: vec![first],
-                    publish: false,
+                    ..Default::default()
                 },
                 "UPDATE",
             )
@@ -761,6 +846,30 @@ mod tests {
             )
             .is_err());
         assert_eq!(store.latest_version().unwrap(), v2);
+        // Deletions: each commit names the deletion version it read.
+        let deletion = |base| Deletion {
+            slice: second,
+            vector: vec![1, 2, 3],
+            rows: 2,
+            base,
+        };
+        let change = |base| Change {
+            deletions: vec![deletion(base)],
+            ..Default::default()
+        };
+        let v3 = store.commit(table.id, &change(0), "DELETE").unwrap();
+        assert!(
+            store.commit(table.id, &change(0), "DELETE").is_err(),
+            "a lost update"
+        );
+        let at_v3 = store.snapshot("t", v3).unwrap().unwrap();
+        assert_eq!(at_v3.slices[0].deleted_version, v3);
+        assert_eq!(at_v3.slices[0].deleted_rows, 2);
+        assert_eq!(
+            store.snapshot("t", v2).unwrap().unwrap().slices[0].deleted,
+            None
+        );
+        let v2 = store.commit(table.id, &change(v3), "DELETE").unwrap();
         assert_eq!(store.purgeable(v1).unwrap().len(), 0);
         assert_eq!(store.purgeable(v2).unwrap().len(), 1);
         let dropped = store.drop_table("t", "DROP").unwrap().unwrap();

@@ -129,6 +129,12 @@ impl TableWriter {
         Ok(())
     }
 
+    /// Write the rows taken so far as a slice, even if it is not full: the
+    /// rows that follow go to another slice.
+    pub async fn end_slice(&mut self) -> Result<()> {
+        self.flush().await
+    }
+
     /// Start writing the buffered rows as a slice (after the one before
     /// it is done).
     async fn flush(&mut self) -> Result<()> {
