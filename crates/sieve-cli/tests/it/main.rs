@@ -29,6 +29,7 @@ mod integrity;
 mod join_filter_registry;
 mod memory_bound;
 mod null_joins;
+mod owned_random;
 mod owned_tables;
 mod request_fuzz;
 mod serve_concurrency;

@@ -192,7 +192,7 @@ impl TableProvider for OwnedTable {
             .snapshot
             .slices
             .iter()
-            .map(|slice| slice.summary.rows)
+            .map(|slice| slice.summary.rows.saturating_sub(slice.deleted_rows))
             .sum();
         let sink = SliceSink {
             tables: Arc::clone(&self.tables),
