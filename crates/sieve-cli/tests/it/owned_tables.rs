@@ -857,3 +857,129 @@ async fn deletes_and_updates_equal_plain_datafusion_and_keep_pages_pruned() {
     drop(cluster);
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// Snapshot isolation: transfers between accounts (each UPDATE keeps the
+/// total), new empty accounts and the compactions they set off commit
+/// while other sessions read. Every read sees one committed version: the
+/// total is never off, and a scan planned before a run of commits and run
+/// after them counts the rows of the version it was planned at.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_see_one_committed_version_while_writers_commit() {
+    const ACCOUNTS: i64 = 400;
+    let root = root("isolation");
+    let (cluster, session) = start(&root).await;
+    session
+        .sql("CREATE TABLE accounts (id BIGINT NOT NULL, balance BIGINT NOT NULL) WITH (sort_key = 'id', slice_rows = 50)")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let values: Vec<String> = (0..ACCOUNTS).map(|id| format!("({id}, 100)")).collect();
+    sql_rows(
+        &session,
+        &format!("INSERT INTO accounts VALUES {}", values.join(", ")),
+    )
+    .await
+    .unwrap();
+    let total = (ACCOUNTS * 100).to_string();
+    // Other sessions of the same compute node (one catalog, one pool).
+    let runtime = session.context.runtime_env();
+    let other = || {
+        sieve_compute::session_over(
+            Arc::clone(&session.catalog),
+            Some(cluster.secret()),
+            SessionConfig::new(),
+            Arc::clone(&runtime),
+        )
+        .unwrap()
+    };
+    let writer = other();
+    sql_rows(&writer, "SET sieve.compact_deleted_share = 0.1")
+        .await
+        .unwrap();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writes = {
+        let done = Arc::clone(&done);
+        tokio::spawn(async move {
+            let mut random = 7u64;
+            let mut next = || {
+                random = random
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (random >> 33) as i64
+            };
+            for step in 0..60 {
+                let (a, b, amount) = (next() % ACCOUNTS, next() % ACCOUNTS, next() % 50);
+                let sql = if step % 10 == 9 {
+                    format!("INSERT INTO accounts VALUES ({}, 0)", ACCOUNTS + step)
+                } else {
+                    format!(
+                        "UPDATE accounts SET balance = CASE WHEN id = {a} THEN balance - {amount} \
+                         WHEN id = {b} THEN balance + {amount} ELSE balance END WHERE id = {a} OR id = {b}"
+                    )
+                };
+                sql_rows(&writer, &sql)
+                    .await
+                    .unwrap_or_else(|error| panic!("{sql}: {error}"));
+            }
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+        })
+    };
+    let mut reads = 0;
+    let mut long_scans = 0;
+    let reader = other();
+    let owned = Arc::clone(session.catalog.owned.as_ref().unwrap());
+    while !done.load(std::sync::atomic::Ordering::SeqCst) {
+        // A read: the total holds whatever commits meanwhile.
+        let answer = sql_rows(&reader, "SELECT sum(balance), count(balance) FROM accounts")
+            .await
+            .unwrap();
+        let (sum, _) = answer[0].split_once(" | ").unwrap();
+        assert_eq!(sum, total, "read {reads}: a read saw a transfer half done");
+        reads += 1;
+        // A long scan: planned now, run after more commits.
+        let before = owned.store().latest_version().unwrap();
+        let plan = reader
+            .sql("SELECT sum(balance), count(balance) FROM accounts")
+            .await
+            .unwrap()
+            .create_physical_plan()
+            .await
+            .unwrap();
+        let after = owned.store().latest_version().unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        let batches = datafusion::physical_plan::collect(plan, reader.context.task_ctx())
+            .await
+            .unwrap();
+        let answer = rows_as_text(&batches, false).unwrap();
+        let (sum, count) = answer[0].split_once(" | ").unwrap();
+        assert_eq!(sum, total, "a long scan saw a transfer half done");
+        if before == after && owned.store().latest_version().unwrap() > after {
+            let snapshot = owned.store().snapshot("accounts", before).unwrap().unwrap();
+            let rows: u64 = snapshot
+                .slices
+                .iter()
+                .map(|slice| slice.summary.rows - slice.deleted_rows)
+                .sum();
+            assert_eq!(
+                count,
+                rows.to_string(),
+                "a long scan counted rows of another version"
+            );
+            long_scans += 1;
+        }
+    }
+    writes.await.unwrap();
+    assert!(
+        reads >= 3 && long_scans >= 2,
+        "{reads} reads, {long_scans} long scans across commits"
+    );
+    let answer = sql_rows(&session, "SELECT sum(balance), count(*) FROM accounts")
+        .await
+        .unwrap();
+    assert_eq!(answer, vec![format!("{total} | {}", ACCOUNTS + 6)]);
+    drop(session);
+    drop(cluster);
+    std::fs::remove_dir_all(&root).unwrap();
+}
