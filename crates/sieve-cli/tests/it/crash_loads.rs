@@ -2,10 +2,11 @@
 //!
 //! Three `sieve storage` processes and a compute process (`sieve sql
 //! --cluster ... --catalog ...`) that runs a series of `COPY t FROM` (each
-//! file four slices on two nodes each). At a random moment the compute
+//! file four slices on two nodes each) and `DELETE`s (each also setting off
+//! the compaction of the slices it left a fifth deleted). At a random moment the compute
 //! process or a storage node is killed; the dead are started again and a
 //! new compute session opens the catalog. Every time, the table must be
-//! exactly the files of the statements that committed (a prefix of the
+//! exactly what the statements that committed made of it (a prefix of the
 //! series: its row count and id sum say which), and the nodes must hold no
 //! file the catalog does not name (no slice of a statement that never
 //! committed, no temporary file). `SIEVE_CRASH_KILLS` sets the number of
@@ -25,7 +26,7 @@ use sieve_fragment::Secret;
 
 const NODES: usize = 3;
 const ROWS_PER_FILE: usize = 2_000;
-const FILES: usize = 5_000;
+const FILES: usize = 3_000;
 /// Statements a compute process is given per round: more than it gets
 /// through before the kill, so the kill lands inside a load.
 const STATEMENTS_PER_ROUND: usize = 40;
@@ -107,11 +108,39 @@ fn write_file(path: &Path, part: usize) {
     std::fs::write(path, text).unwrap();
 }
 
-/// Rows and id sum of the first `parts` files.
-fn expected(parts: usize) -> (u64, u128) {
-    let rows = (parts * ROWS_PER_FILE) as u64;
-    let sum = (0..rows as u128).sum();
-    (rows, sum)
+/// Statement `j` of the series: every third a DELETE of the ids with one
+/// residue mod 11 (which sets off compactions), else the next file.
+enum Step {
+    Copy(usize),
+    Delete(u64),
+}
+
+fn step(j: usize) -> Step {
+    if j % 3 == 2 {
+        Step::Delete((j / 3 % 11) as u64)
+    } else {
+        Step::Copy(j - j / 3)
+    }
+}
+
+/// Rows and id sum of the table after each prefix of the series (index:
+/// statements committed), up to `statements`.
+fn prefix_states(statements: usize) -> Vec<(u64, u128)> {
+    let mut alive: std::collections::BTreeSet<u64> = std::collections::BTreeSet::new();
+    let mut states = vec![(0, 0)];
+    for j in 0..statements {
+        match step(j) {
+            Step::Copy(part) => {
+                alive.extend((part * ROWS_PER_FILE..(part + 1) * ROWS_PER_FILE).map(|id| id as u64))
+            }
+            Step::Delete(residue) => alive.retain(|id| id % 11 != residue),
+        }
+        states.push((
+            alive.len() as u64,
+            alive.iter().map(|&id| u128::from(id)).sum(),
+        ));
+    }
+    states
 }
 
 /// [`check_once`], again (up to 20 times, 100 ms apart) while a node
@@ -119,7 +148,7 @@ fn expected(parts: usize) -> (u64, u128) {
 /// ends on the node a moment later (its temporary file removed, or its
 /// slice served after the next catalog open's `retain-slices`), and the
 /// next open of the catalog removes it.
-async fn check(nodes: &[Node], secret: &Secret, catalog: &Path, round: usize) -> usize {
+async fn check(nodes: &[Node], secret: &Secret, catalog: &Path, round: usize) -> (u64, u128) {
     let mut attempt = 0;
     loop {
         match check_once(nodes, secret, catalog, round).await {
@@ -143,7 +172,7 @@ async fn check_once(
     secret: &Secret,
     catalog: &Path,
     round: usize,
-) -> Result<usize, String> {
+) -> Result<(u64, u128), String> {
     let urls: Vec<String> = nodes.iter().map(Node::url).collect();
     let session =
         connect_session_with_tables(&urls, Some(secret), SessionConfig::new(), Some(catalog))
@@ -162,17 +191,6 @@ async fn check_once(
     let (count, sum) = text.split_once(" | ").unwrap();
     let count: u64 = count.trim().parse().unwrap();
     let sum: u128 = sum.trim().parse().unwrap();
-    assert_eq!(
-        count % ROWS_PER_FILE as u64,
-        0,
-        "round {round}: a partial statement is visible ({count} rows)"
-    );
-    let parts = (count / ROWS_PER_FILE as u64) as usize;
-    assert_eq!(
-        (count, sum),
-        expected(parts),
-        "round {round}: not the first {parts} files"
-    );
     // Every slice file on the nodes is one the catalog keeps.
     let kept = session
         .catalog
@@ -207,7 +225,7 @@ async fn check_once(
             }
         }
     }
-    Ok(parts)
+    Ok((count, sum))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -276,6 +294,7 @@ async fn a_load_killed_at_any_moment_leaves_a_committed_version_and_no_orphan() 
         String::from_utf8_lossy(&created.stderr)
     );
 
+    let states = prefix_states(FILES);
     let mut committed = 0;
     let mut killed_compute = 0;
     let mut mid_load = 0;
@@ -284,18 +303,25 @@ async fn a_load_killed_at_any_moment_leaves_a_committed_version_and_no_orphan() 
             committed + STATEMENTS_PER_ROUND < FILES,
             "the series ran out of files"
         );
-        let mut script = String::new();
-        for part in committed..committed + STATEMENTS_PER_ROUND {
-            let path = files.join(format!("part-{part}.csv"));
-            if !path.exists() {
-                write_file(&path, part);
+        let mut script = String::from("SET sieve.compact_deleted_share = 0.2;\n");
+        for j in committed..committed + STATEMENTS_PER_ROUND {
+            match step(j) {
+                Step::Copy(part) => {
+                    let path = files.join(format!("part-{part}.csv"));
+                    if !path.exists() {
+                        write_file(&path, part);
+                    }
+                    writeln!(
+                        script,
+                        "COPY t FROM '{}' WITH (FORMAT csv);",
+                        path.display()
+                    )
+                    .unwrap();
+                }
+                Step::Delete(residue) => {
+                    writeln!(script, "DELETE FROM t WHERE id % 11 = {residue};").unwrap()
+                }
             }
-            writeln!(
-                script,
-                "COPY t FROM '{}' WITH (FORMAT csv);",
-                path.display()
-            )
-            .unwrap();
         }
         let mut compute = sql(&script);
         std::thread::sleep(Duration::from_millis(100 + random.below(1500)));
@@ -316,15 +342,20 @@ async fn a_load_killed_at_any_moment_leaves_a_committed_version_and_no_orphan() 
                 node.start(&secret);
             }
         }
-        let parts = check(&nodes, &secret, &catalog, round).await;
-        assert!(
-            parts >= committed,
-            "round {round}: committed files were lost ({parts} < {committed})"
-        );
-        committed = parts;
+        let state = check(&nodes, &secret, &catalog, round).await;
+        // The table is the state after some prefix of the series, at least
+        // as long as the one committed before (the largest that fits: a
+        // DELETE may change nothing).
+        let Some(prefix) = (committed..=committed + STATEMENTS_PER_ROUND)
+            .rev()
+            .find(|&k| states[k] == state)
+        else {
+            panic!("round {round}: the table ({} rows, id sum {}) is no committed version after statement {committed}", state.0, state.1)
+        };
+        committed = prefix;
     }
     println!(
-        "{kills} kills ({killed_compute} of the compute node, {mid_load} while it was loading), {committed} files committed"
+        "{kills} kills ({killed_compute} of the compute node, {mid_load} while it was loading), {committed} statements committed"
     );
     assert!(
         mid_load * 2 >= kills,

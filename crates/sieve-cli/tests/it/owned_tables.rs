@@ -971,6 +971,7 @@ async fn readers_see_one_committed_version_while_writers_commit() {
         }
     }
     writes.await.unwrap();
+    println!("{reads} reads, {long_scans} long scans across commits");
     assert!(
         reads >= 3 && long_scans >= 2,
         "{reads} reads, {long_scans} long scans across commits"
