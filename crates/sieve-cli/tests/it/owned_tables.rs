@@ -762,6 +762,7 @@ async fn deletes_and_updates_equal_plain_datafusion_and_keep_pages_pruned() {
         rows_as_text(&run(&model, range).await.unwrap(), true).unwrap()
     );
     let table = table_pages(&session, "events");
+    println!("pages: read {read} of {considered} considered, {table} in the table");
     assert!(
         read * 10 < table,
         "after deletes: read {read} of {considered} pages considered, {table} in the table"
@@ -816,6 +817,7 @@ async fn deletes_and_updates_equal_plain_datafusion_and_keep_pages_pruned() {
         rows_as_text(&run(&model, range).await.unwrap(), true).unwrap()
     );
     let table = table_pages(&session, "events");
+    println!("pages: read {read} of {considered} considered, {table} in the table");
     assert!(
         read * 10 < table,
         "after compaction: read {read} of {considered} pages considered, {table} in the table"
