@@ -151,6 +151,20 @@ pub struct ScanOptions {
     pub failover: FailoverSettings,
 }
 
+impl ScanOptions {
+    /// A scan's options from the session's settings, over `partitions`
+    /// output partitions.
+    pub fn from_settings(settings: &crate::SieveConfig, partitions: usize) -> Result<Self> {
+        Ok(Self {
+            partitions,
+            slices_in_flight: settings.slices_in_flight,
+            join_settings: settings.join_filter_settings(),
+            ipc_codec: IpcCodec::parse(&settings.ipc_compression)?,
+            failover: settings.failover_settings(),
+        })
+    }
+}
+
 /// A partial aggregation pushed into the fragment.
 #[derive(Debug, Clone)]
 pub struct PushedAggregate {

@@ -21,7 +21,7 @@ use datafusion_datasource::file_scan_config::FileScanConfigBuilder;
 use datafusion_datasource::PartitionedFile;
 use datafusion_datasource_parquet::source::ParquetSource;
 use datafusion_datasource_parquet::CachedParquetFileReaderFactory;
-use sieve_fragment::{check_allowed, pruning_predicate, ExpressionShape, IpcCodec};
+use sieve_fragment::{check_allowed, pruning_predicate, ExpressionShape};
 
 use crate::checked_reader::CheckedReaderFactory;
 use crate::nan_safe::nan_safe;
@@ -232,13 +232,7 @@ impl TableProvider for SieveTable {
             Arc::clone(&self.traffic),
             needed.clone(),
             pushed,
-            ScanOptions {
-                partitions: state.config().target_partitions(),
-                slices_in_flight: settings.slices_in_flight,
-                join_settings: settings.join_filter_settings(),
-                ipc_codec: IpcCodec::parse(&settings.ipc_compression)?,
-                failover: settings.failover_settings(),
-            },
+            ScanOptions::from_settings(&settings, state.config().target_partitions())?,
         )?);
         let scan: Arc<dyn ExecutionPlan> = if notes.is_empty() {
             scan

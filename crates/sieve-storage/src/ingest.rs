@@ -87,14 +87,26 @@ pub async fn put_slice(
             let _ = std::fs::remove_file(&temporary);
             return Err(status);
         }
-        catalog
-            .add_slice(&header.table, header.slice)
-            .map_err(|error| {
+        // Reading the footer of a file a client sent: a decoder panic is a
+        // refused put, never a node down.
+        let added = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            catalog.add_slice(&header.table, header.slice)
+        }));
+        match added {
+            Ok(Ok(summary)) => Ok(summary),
+            failed => {
                 // Not a slice this node can serve: it must not be found at
                 // the next start either.
                 let _ = std::fs::remove_file(&final_path);
-                Status::invalid_argument(format!("put: the file is not a slice: {error}"))
-            })
+                let reason = match failed {
+                    Ok(Err(error)) => error.to_string(),
+                    _ => "its metadata does not decode (the decoder panicked)".to_string(),
+                };
+                Err(Status::invalid_argument(format!(
+                    "put: the file is not a slice: {reason}"
+                )))
+            }
+        }
     })
     .await
     .map_err(|error| Status::internal(format!("put: {error}")))?;

@@ -22,6 +22,8 @@ use std::time::{Duration, Instant};
 use datafusion::prelude::SessionConfig;
 use sieve_compute::connect_session_with_tables;
 use sieve_format::node_directory;
+
+use crate::common::Random;
 use sieve_fragment::Secret;
 
 const NODES: usize = 3;
@@ -37,19 +39,6 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-/// A small random source (the seed is printed, so a failure can be replayed).
-struct Random(u64);
-
-impl Random {
-    fn below(&mut self, bound: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) % bound.max(1)
-    }
 }
 
 struct Node {
@@ -234,17 +223,9 @@ async fn a_load_killed_at_any_moment_leaves_a_committed_version_and_no_orphan() 
         .ok()
         .and_then(|kills| kills.parse().ok())
         .unwrap_or(8);
-    let seed = std::env::var("SIEVE_CRASH_SEED")
-        .ok()
-        .and_then(|seed| seed.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
+    let mut random = Random::from_env("SIEVE_CRASH_SEED");
+    let seed = random.0;
     println!("seed {seed} (SIEVE_CRASH_SEED), {kills} kills");
-    let mut random = Random(seed);
     let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("crash-loads-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);

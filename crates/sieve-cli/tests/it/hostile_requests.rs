@@ -446,3 +446,148 @@ async fn byte_range_endpoint_names_the_file_version_and_refuses_what_it_does_not
     .await;
     assert!(status.starts_with("HTTP/1.1 416"), "{status}");
 }
+
+/// Slice puts (the write path of tables users own) that are wrong or
+/// hostile: each refused with a clear status, nothing left on disk, the
+/// node serving on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_slice_puts_are_refused_and_leave_nothing() {
+    use arrow_flight::{FlightData, FlightDescriptor};
+    let mut fixture = fixture().await;
+    let root = test_data().join(sieve_format::node_directory(std::path::Path::new(""), 0));
+    let put = |header: Vec<u8>, bodies: Vec<Vec<u8>>| {
+        let mut messages = Vec::new();
+        for (index, body) in bodies.into_iter().enumerate() {
+            let mut message = FlightData::new().with_data_body(body);
+            if index == 0 {
+                message = message.with_descriptor(FlightDescriptor::new_cmd(header.clone()));
+            }
+            messages.push(message);
+        }
+        futures::stream::iter(messages)
+    };
+    let header = |table: &str, bytes: u64, crc32: u32| {
+        serde_json::to_vec(&sieve_format::writes::PutSlice {
+            table: table.to_string(),
+            slice: 7,
+            bytes,
+            crc32,
+        })
+        .unwrap()
+    };
+    let not_parquet = b"this is not a parquet file at all".to_vec();
+    let crc = crc32fast::hash(&not_parquet);
+    // What, the header, the messages' bodies, the status expected.
+    type Case<'a> = (&'a str, Vec<u8>, Vec<Vec<u8>>, Code);
+    let cases: Vec<Case> = vec![
+        (
+            "no header",
+            vec![],
+            vec![not_parquet.clone()],
+            Code::InvalidArgument,
+        ),
+        (
+            "bad JSON",
+            b"{oops".to_vec(),
+            vec![vec![1]],
+            Code::InvalidArgument,
+        ),
+        (
+            "a generated table",
+            header("region", 33, crc),
+            vec![not_parquet.clone()],
+            Code::InvalidArgument,
+        ),
+        (
+            "a path in the name",
+            header("../x@1", 33, crc),
+            vec![not_parquet.clone()],
+            Code::InvalidArgument,
+        ),
+        (
+            "over the size limit",
+            header("t@1", sieve_format::writes::PUT_SLICE_BYTES_MAX + 1, crc),
+            vec![vec![0]],
+            Code::InvalidArgument,
+        ),
+        (
+            "more bytes than announced",
+            header("t@1", 3, crc),
+            vec![not_parquet.clone()],
+            Code::InvalidArgument,
+        ),
+        (
+            "fewer bytes than announced",
+            header("t@1", 1000, crc),
+            vec![not_parquet.clone()],
+            Code::InvalidArgument,
+        ),
+        (
+            "a wrong CRC",
+            header("t@1", not_parquet.len() as u64, crc ^ 1),
+            vec![not_parquet.clone()],
+            Code::DataLoss,
+        ),
+        (
+            "not Parquet",
+            header("t@1", not_parquet.len() as u64, crc),
+            vec![not_parquet.clone()],
+            Code::InvalidArgument,
+        ),
+    ];
+    for (what, header, bodies, code) in cases {
+        let status = match fixture.client.do_put(put(header, bodies)).await {
+            Ok(response) => {
+                let mut results = response.into_inner();
+                match results.next().await {
+                    Some(Err(status)) => status,
+                    other => panic!("{what}: accepted ({other:?})"),
+                }
+            }
+            Err(status) => status,
+        };
+        assert_eq!(status.code(), code, "{what}: {status}");
+        assert!(!status.message().is_empty(), "{what}");
+    }
+    // Nothing of them is on disk, and the node still serves.
+    if let Ok(entries) = std::fs::read_dir(root.join("t@1")) {
+        let left: Vec<_> = entries.map(|entry| entry.unwrap().file_name()).collect();
+        assert!(left.is_empty(), "files left: {left:?}");
+    }
+    let listed = fixture
+        .client
+        .list_flights(Criteria::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .count()
+        .await;
+    assert!(listed > 0);
+    // A deletion vector that does not decode, in an envelope: refused.
+    let body = Fragment {
+        projection: vec![0],
+        predicate: None,
+        aggregate: None,
+    }
+    .encode_body(&fixture.schema)
+    .unwrap();
+    let envelope = FragmentEnvelope::new("region", 1, body).with_deleted(&[1, 2, 3, 4, 5]);
+    let status = match fixture
+        .client
+        .do_get(Ticket::new(envelope.encode_to_vec()))
+        .await
+    {
+        Ok(response) => {
+            let mut stream = response.into_inner();
+            loop {
+                match stream.next().await {
+                    Some(Err(status)) => break status,
+                    Some(Ok(_)) => continue,
+                    None => panic!("a bad deletion vector was accepted"),
+                }
+            }
+        }
+        Err(status) => status,
+    };
+    assert!(status.message().contains("deletion vector"), "{status}");
+}

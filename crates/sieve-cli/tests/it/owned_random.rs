@@ -18,6 +18,8 @@ use sieve_cli::compare::{rows_as_text, run};
 use sieve_compute::{connect_session_with_tables, SieveSession};
 use sieve_format::node_directory;
 
+use crate::common::Random;
+
 const NODES: usize = 3;
 const TABLES: [(&str, &str); 3] = [
     ("ta", "WITH (sort_key = 'id', slice_rows = 40)"),
@@ -27,22 +29,6 @@ const TABLES: [(&str, &str); 3] = [
     ),
     ("tc", "WITH (slice_rows = 60, replicas = 3)"),
 ];
-
-struct Random(u64);
-
-impl Random {
-    fn below(&mut self, bound: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) % bound.max(1)
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
 
 fn value(random: &mut Random) -> String {
     let k = if random.chance(10) {
@@ -84,17 +70,9 @@ async fn random_writes_keep_every_table_equal_to_a_model() {
         .ok()
         .and_then(|ops| ops.parse().ok())
         .unwrap_or(2_000);
-    let seed = std::env::var("SIEVE_RANDOM_SEED")
-        .ok()
-        .and_then(|seed| seed.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
+    let mut random = Random::from_env("SIEVE_RANDOM_SEED");
+    let seed = random.0;
     println!("seed {seed} (SIEVE_RANDOM_SEED), {operations} operations");
-    let mut random = Random(seed);
     let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("owned-random-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);

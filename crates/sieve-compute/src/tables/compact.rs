@@ -55,13 +55,7 @@ pub async fn compact(
             Arc::clone(traffic),
             (0..schema.fields().len()).collect(),
             None,
-            ScanOptions {
-                partitions: 1,
-                slices_in_flight: settings.slices_in_flight,
-                join_settings: settings.join_filter_settings(),
-                ipc_codec: sieve_fragment::IpcCodec::parse(&settings.ipc_compression)?,
-                failover: settings.failover_settings(),
-            },
+            ScanOptions::from_settings(&settings, 1)?,
         )?;
         let mut rows = scan.execute(0, Arc::clone(&context))?;
         while let Some(batch) = rows.next().await {

@@ -30,3 +30,37 @@ pub(crate) fn small_slices(replicas: usize) -> PathBuf {
     };
     generated_tpch(&root, 0.01, NODES, replicas, &layout).expect("generate TPC-H")
 }
+
+/// A small random source for randomised tests, with its seed from
+/// `variable` (to replay a failure) or the clock; the caller prints it.
+pub(crate) struct Random(pub(crate) u64);
+
+impl Random {
+    pub(crate) fn from_env(variable: &str) -> Self {
+        Self(
+            std::env::var(variable)
+                .ok()
+                .and_then(|seed| seed.parse().ok())
+                .unwrap_or_else(|| {
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .unwrap()
+                        .as_nanos() as u64
+                }),
+        )
+    }
+
+    /// A number below `bound`.
+    pub(crate) fn below(&mut self, bound: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) % bound.max(1)
+    }
+
+    /// True `percent` times in 100.
+    pub(crate) fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
