@@ -14,6 +14,7 @@
 use std::fs::File;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow::datatypes::SchemaRef;
@@ -24,6 +25,8 @@ use datafusion::prelude::SessionContext;
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use sieve_compute::tables::{LoadReading, OwnedTables};
+use sieve_compute::ClusterCatalog;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 /// How results are printed.
@@ -186,24 +189,53 @@ impl Printer {
 }
 
 /// A spinner on stderr once a statement has run for a second (on a
-/// terminal only).
+/// terminal only); for a statement that loads rows into a table (COPY,
+/// INSERT, CREATE TABLE AS, UPDATE) in this process, what it has loaded.
 struct Progress {
     bar: ProgressBar,
     started: Instant,
     shown: bool,
+    /// The catalog's write counters and their reading at the start.
+    load: Option<(Arc<OwnedTables>, LoadReading)>,
+}
+
+/// What a load has done so far, as the spinner says it.
+pub fn load_message(done: &LoadReading, elapsed: Duration) -> String {
+    let seconds = elapsed.as_secs_f64().max(1e-3);
+    format!(
+        "loading: {} rows taken ({:.0} rows/s), {} slice{} stored ({:.1} MB)",
+        done.rows_taken,
+        done.rows_taken as f64 / seconds,
+        done.slices_stored,
+        if done.slices_stored == 1 { "" } else { "s" },
+        done.bytes_stored as f64 / 1e6
+    )
 }
 
 impl Progress {
-    fn new() -> Self {
+    fn new(backend: &Backend) -> Self {
         let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
         bar.set_style(
             ProgressStyle::with_template("{spinner} {elapsed} {msg}")
                 .unwrap_or_else(|_| ProgressStyle::default_spinner()),
         );
+        let load = match backend {
+            Backend::Local(context) => context
+                .state()
+                .config()
+                .get_extension::<ClusterCatalog>()
+                .and_then(|catalog| catalog.owned.clone())
+                .map(|owned| {
+                    let start = owned.load_progress();
+                    (owned, start)
+                }),
+            Backend::Remote(_) => None,
+        };
         Self {
             bar,
             started: Instant::now(),
             shown: false,
+            load,
         }
     }
 
@@ -217,8 +249,18 @@ impl Progress {
             self.shown = true;
         }
         if self.shown {
-            self.bar
-                .set_message(format!("running, {rows} rows so far (Ctrl-C cancels)"));
+            let loaded = self
+                .load
+                .as_ref()
+                .map(|(owned, start)| owned.load_progress().since(start))
+                .filter(|done| done.rows_taken > 0);
+            self.bar.set_message(match loaded {
+                Some(done) => format!(
+                    "{} (Ctrl-C cancels; nothing is committed until the end)",
+                    load_message(&done, self.started.elapsed())
+                ),
+                None => format!("running, {rows} rows so far (Ctrl-C cancels)"),
+            });
         }
     }
 }
@@ -239,7 +281,7 @@ enum Sink {
 /// Run one statement and print its result; "N rows in T" on stderr.
 async fn run_one(backend: &mut Backend, sql: &str, printer: &Printer) -> Result<()> {
     let started = Instant::now();
-    let mut progress = Progress::new();
+    let mut progress = Progress::new(backend);
     let mut ticker = tokio::time::interval(Duration::from_millis(250));
     let (schema, mut stream) = tokio::select! {
         started = backend.start(sql) => started?,
@@ -501,6 +543,32 @@ mod tests {
             "Execution error: No field named \"x\". (SQLSTATE 42703)"
         );
         assert_eq!(flight_error("plain").to_string(), "Execution error: plain");
+    }
+
+    #[test]
+    fn a_load_says_rows_rate_and_slices() {
+        let done = LoadReading {
+            rows_taken: 3_000_000,
+            slices_stored: 2,
+            bytes_stored: 45_600_000,
+        };
+        assert_eq!(
+            load_message(&done, Duration::from_secs(4)),
+            "loading: 3000000 rows taken (750000 rows/s), 2 slices stored (45.6 MB)"
+        );
+        let later = LoadReading {
+            rows_taken: 3_000_500,
+            slices_stored: 3,
+            bytes_stored: 50_000_000,
+        };
+        assert_eq!(
+            later.since(&done),
+            LoadReading {
+                rows_taken: 500,
+                slices_stored: 1,
+                bytes_stored: 4_400_000
+            }
+        );
     }
 
     #[test]

@@ -61,6 +61,7 @@ pub async fn put_slice(
             header.slice, header.table
         )));
     }
+    check_free_space(catalog.root(), header.bytes)?;
     std::fs::create_dir_all(&directory)
         .map_err(|error| io_status("create the table directory", &error))?;
     let temporary = directory.join(format!(
@@ -202,6 +203,37 @@ async fn receive(
         .await
         .map_err(|error| Status::internal(format!("put: {error}")))?;
     synced.map_err(|error| io_status("sync the slice", &error))
+}
+
+/// Refuse a put of `bytes` before writing any of it when the file system
+/// of `root` has less room than that for this user (`statvfs`'s available
+/// blocks), as a full disk would refuse it halfway. The check is a fast
+/// answer, not a reservation: a disk that fills meanwhile still fails the
+/// write itself with `ENOSPC`, which [`io_status`] reports the same way.
+fn check_free_space(root: &Path, bytes: u64) -> Result<(), Status> {
+    let Some(available) = available_bytes(root) else {
+        return Ok(()); // Unknown: the write itself will tell.
+    };
+    if available < bytes {
+        return Err(Status::resource_exhausted(format!(
+            "put: the storage node's disk is full: the slice needs {bytes} bytes, {available} are free"
+        )));
+    }
+    Ok(())
+}
+
+/// Bytes an unprivileged writer may still use on the file system of `path`.
+fn available_bytes(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `statvfs` writes only into `stats`, and `path` is a valid C
+    // string for the duration of the call.
+    let mut stats: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(path.as_ptr(), &mut stats) } != 0 {
+        return None;
+    }
+    #[allow(clippy::unnecessary_cast)] // the field types differ by platform
+    Some((stats.f_bavail as u64).saturating_mul(stats.f_frsize as u64))
 }
 
 /// An I/O failure as a status: a full disk is `ResourceExhausted`.

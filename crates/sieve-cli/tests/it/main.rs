@@ -22,6 +22,7 @@ mod deep_expressions;
 mod early_start;
 mod end_to_end;
 mod failover;
+mod full_disk;
 mod fuzz;
 mod fuzz_regressions;
 mod hostile_requests;

@@ -32,6 +32,7 @@ mod writer;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use datafusion::common::Result;
@@ -61,7 +62,60 @@ pub struct OwnedTables {
     readers: Mutex<BTreeMap<u64, usize>>,
     /// Where slice files are written before they are sent.
     staging: PathBuf,
+    /// What every writer of this process has loaded, for progress reports.
+    progress: LoadProgress,
     this: Weak<OwnedTables>,
+}
+
+/// Counters of the write path, kept since the catalog was opened, summed
+/// over every writer: a statement's progress is the difference between two
+/// readings ([`OwnedTables::load_progress`]).
+#[derive(Debug, Default)]
+pub struct LoadProgress {
+    rows_taken: AtomicU64,
+    slices_stored: AtomicU64,
+    bytes_stored: AtomicU64,
+}
+
+/// One reading of [`LoadProgress`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadReading {
+    /// Rows writers have taken (buffered, being encoded or stored).
+    pub rows_taken: u64,
+    /// Slices stored on all their nodes (not yet committed, maybe).
+    pub slices_stored: u64,
+    /// Bytes of those slices (one copy each).
+    pub bytes_stored: u64,
+}
+
+impl LoadReading {
+    /// What happened between `earlier` and this reading.
+    pub fn since(&self, earlier: &LoadReading) -> LoadReading {
+        LoadReading {
+            rows_taken: self.rows_taken.saturating_sub(earlier.rows_taken),
+            slices_stored: self.slices_stored.saturating_sub(earlier.slices_stored),
+            bytes_stored: self.bytes_stored.saturating_sub(earlier.bytes_stored),
+        }
+    }
+}
+
+impl LoadProgress {
+    pub(crate) fn took(&self, rows: u64) {
+        self.rows_taken.fetch_add(rows, Ordering::Relaxed);
+    }
+
+    pub(crate) fn stored(&self, bytes: u64) {
+        self.slices_stored.fetch_add(1, Ordering::Relaxed);
+        self.bytes_stored.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    fn read(&self) -> LoadReading {
+        LoadReading {
+            rows_taken: self.rows_taken.load(Ordering::Relaxed),
+            slices_stored: self.slices_stored.load(Ordering::Relaxed),
+            bytes_stored: self.bytes_stored.load(Ordering::Relaxed),
+        }
+    }
 }
 
 impl fmt::Debug for OwnedTables {
@@ -141,6 +195,7 @@ impl OwnedTables {
             range_urls,
             readers: Mutex::new(BTreeMap::new()),
             staging,
+            progress: LoadProgress::default(),
             this: Weak::clone(this),
         });
         tables.retain_on_nodes().await;
@@ -166,6 +221,16 @@ impl OwnedTables {
     /// The client of node `node`.
     pub(crate) fn client(&self, node: usize) -> &StorageClient {
         &self.clients[node]
+    }
+
+    /// What the writers of this process have loaded so far (a statement's
+    /// progress: a reading before it and one during it).
+    pub fn load_progress(&self) -> LoadReading {
+        self.progress.read()
+    }
+
+    pub(crate) fn progress(&self) -> &LoadProgress {
+        &self.progress
     }
 
     /// Directory for slice files on their way to the nodes.

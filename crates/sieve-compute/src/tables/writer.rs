@@ -119,6 +119,7 @@ impl TableWriter {
             let part = batch.slice(offset, take);
             offset += take;
             self.rows += take as u64;
+            self.tables.progress().took(take as u64);
             self.buffered_rows += take;
             self.buffered_bytes += part.get_array_memory_size();
             self.buffer.push(part);
@@ -285,8 +286,12 @@ async fn write_slice(
         Ok(()) => send(&tables, &storage_name, slice, &nodes, &path).await,
         Err(error) => Err(error),
     };
+    let bytes = tokio::fs::metadata(&path)
+        .await
+        .map_or(0, |meta| meta.len());
     let _ = tokio::fs::remove_file(&path).await;
     let summary = sent?;
+    tables.progress().stored(bytes);
     Ok(WrittenSlice {
         slice,
         nodes,
