@@ -176,6 +176,8 @@ pub fn session_over(
         .with_runtime_env(runtime)
         .with_default_features()
         .with_analyzer_rules(crate::analyzer_rules_with_depth_limit())
+        // Last: every owned table of a statement at one version.
+        .with_analyzer_rule(Arc::new(crate::tables::ReadOneVersion))
         .with_physical_optimizer_rules(physical_rules_without_static_filter_pushdown())
         .with_physical_optimizer_rule(Arc::new(PushAggregateToStorage))
         .with_physical_optimizer_rule(Arc::new(WaitForJoinFilters))

@@ -986,3 +986,71 @@ async fn readers_see_one_committed_version_while_writers_commit() {
     drop(cluster);
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// A statement reads every table it names at one version, whenever its
+/// tables were looked up: a table found before a commit and read in the
+/// same statement as one found after it, and a view (whose plan holds the
+/// tables as they were when it was created), read the version the
+/// statement runs at.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_reads_all_its_tables_and_views_at_one_version() {
+    let root = root("one-version");
+    let (cluster, session) = start(&root).await;
+    for statement in [
+        "CREATE TABLE a (id BIGINT NOT NULL)",
+        "CREATE TABLE b (id BIGINT NOT NULL)",
+        "INSERT INTO a VALUES (1)",
+        "INSERT INTO b VALUES (1)",
+        "CREATE VIEW both_counts AS SELECT (SELECT count(*) FROM a) AS a_rows, (SELECT count(*) FROM b) AS b_rows",
+    ] {
+        sql_rows(&session, statement).await.unwrap();
+    }
+    // `a` as a statement planned before the next commit found it.
+    let a_before = session.context.table_provider("a").await.unwrap();
+    sql_rows(&session, "INSERT INTO a VALUES (2)")
+        .await
+        .unwrap();
+    session
+        .context
+        .register_table("a_as_found_before", a_before)
+        .unwrap();
+    // Both tables at the version the statement runs at: `a` with its
+    // second row, as `b` was read after that commit.
+    assert_eq!(
+        sql_rows(
+            &session,
+            "SELECT (SELECT count(*) FROM a_as_found_before) AS a_rows, (SELECT count(*) FROM b) AS b_rows"
+        )
+        .await
+        .unwrap(),
+        vec!["2 | 1"]
+    );
+    // A view made before three commits reads what they committed.
+    sql_rows(&session, "INSERT INTO b VALUES (2), (3)")
+        .await
+        .unwrap();
+    sql_rows(&session, "DELETE FROM a WHERE id = 1")
+        .await
+        .unwrap();
+    assert_eq!(
+        sql_rows(&session, "SELECT * FROM both_counts")
+            .await
+            .unwrap(),
+        vec!["1 | 3"]
+    );
+    assert_eq!(
+        sql_rows(&session, "SELECT count(*) FROM a_as_found_before")
+            .await
+            .unwrap(),
+        vec!["1"]
+    );
+    // A table dropped after it was found: the statement fails clearly.
+    sql_rows(&session, "DROP TABLE a").await.unwrap();
+    let error = sql_rows(&session, "SELECT count(*) FROM a_as_found_before")
+        .await
+        .expect_err("a table dropped before the statement ran");
+    assert!(error.to_string().contains("dropped"), "{error}");
+    drop(session);
+    drop(cluster);
+    std::fs::remove_dir_all(&root).unwrap();
+}

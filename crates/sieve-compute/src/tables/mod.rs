@@ -23,6 +23,7 @@
 
 mod compact;
 mod delete;
+mod one_version;
 mod provider;
 mod schema;
 pub mod statements;
@@ -39,6 +40,7 @@ use datafusion::common::Result;
 
 pub use compact::{compact, COMPACT_DELETED_SHARE};
 pub use delete::{ChangeRowsExec, RowChange};
+pub use one_version::ReadOneVersion;
 pub use provider::OwnedTable;
 pub use schema::SieveSchema;
 pub use store::{

@@ -39,10 +39,42 @@ impl OwnedTable {
         name: &str,
     ) -> Result<Option<Self>> {
         let pin: VersionPin = tables.pin_latest()?;
+        Self::at_pin(tables, catalog, traffic, name, &pin)
+    }
+
+    /// This table at `pin`'s version (what [`super::ReadOneVersion`] binds
+    /// a statement's tables to). Fails if the table was dropped by then,
+    /// or dropped and created again.
+    pub fn at(&self, pin: &VersionPin) -> Result<Self> {
+        let name = &self.snapshot.table.name;
+        match Self::at_pin(&self.tables, &self.catalog, &self.traffic, name, pin)? {
+            Some(table) if table.snapshot.table.id == self.snapshot.table.id => Ok(table),
+            Some(_) => datafusion::common::plan_err!(
+                "table '{name}' was dropped and created again while this statement was planned; run it again"
+            ),
+            None => datafusion::common::plan_err!(
+                "table '{name}' was dropped (at version {}) before this statement ran",
+                pin.version()
+            ),
+        }
+    }
+
+    /// The catalog this table is in.
+    pub fn tables(&self) -> &Arc<OwnedTables> {
+        &self.tables
+    }
+
+    fn at_pin(
+        tables: &Arc<OwnedTables>,
+        catalog: &Arc<ClusterCatalog>,
+        traffic: &Arc<Traffic>,
+        name: &str,
+        pin: &VersionPin,
+    ) -> Result<Option<Self>> {
         let Some(snapshot) = tables.store().snapshot(name, pin.version())? else {
             return Ok(None);
         };
-        let cluster_table = Arc::new(tables.cluster_table(&snapshot, &pin));
+        let cluster_table = Arc::new(tables.cluster_table(&snapshot, pin));
         Ok(Some(Self {
             tables: Arc::clone(tables),
             read: SieveTable::new(
