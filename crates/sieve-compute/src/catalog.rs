@@ -142,17 +142,21 @@ impl ClusterCatalog {
     /// fewest requests in flight from here, ties broken by the slice number
     /// so that equal replicas share the work.
     pub fn replica_order(&self, slice: &ClusterSlice) -> Vec<usize> {
+        self.replica_order_of(slice.summary.slice, &slice.replicas)
+    }
+
+    /// [`Self::replica_order`] of slice number `slice` with copies on `replicas`.
+    pub fn replica_order_of(&self, slice: u32, replicas: &[usize]) -> Vec<usize> {
         let now = self.epoch.elapsed().as_millis() as u64 + 1;
-        let count = slice.replicas.len().max(1);
-        let mut order: Vec<(bool, usize, usize, usize)> = slice
-            .replicas
+        let count = replicas.len().max(1);
+        let mut order: Vec<(bool, usize, usize, usize)> = replicas
             .iter()
             .enumerate()
             .map(|(position, &node)| {
                 let state = &self.nodes[node];
                 let failed = state.failed_at_ms.load(Ordering::Relaxed);
                 let suspect = failed != 0 && now.saturating_sub(failed) < NODE_SUSPECT_MS;
-                let rotation = (position + count - slice.summary.slice as usize % count) % count;
+                let rotation = (position + count - slice as usize % count) % count;
                 (
                     suspect,
                     state.in_flight.load(Ordering::Relaxed),

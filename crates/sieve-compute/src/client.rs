@@ -481,6 +481,11 @@ impl StorageClient {
             tonic::Code::InvalidArgument | tonic::Code::AlreadyExists => {
                 DataFusionError::Plan(message)
             }
+            // The node is down, unreachable or gone mid-request: another
+            // node may take the write.
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
+                node_failure(&self.url, format!("{doing}: {}", status.message()))
+            }
             _ => DataFusionError::Execution(message),
         }
     }

@@ -181,9 +181,13 @@ impl ClusterRangeStore {
         let order = self
             .replicas
             .as_ref()
-            .and_then(|replicas| {
-                let slice = replicas.slices.get(path.as_ref())?;
-                Some(replicas.catalog.replica_order(slice))
+            .and_then(|replicas| match replicas.slices.get(path.as_ref()) {
+                Some(slice) => Some(replicas.catalog.replica_order(slice)),
+                // A slice of a table a user owns: its copies as planned.
+                None => {
+                    let (slice, nodes) = replicas.catalog.owned.as_ref()?.route(path.as_ref())?;
+                    Some(replicas.catalog.replica_order_of(slice, &nodes))
+                }
             })
             .filter(|order| !order.is_empty())
             .unwrap_or_else(|| vec![node]);

@@ -1054,3 +1054,124 @@ async fn a_statement_reads_all_its_tables_and_views_at_one_version() {
     drop(cluster);
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// With two copies of every slice, a table a user owns answers with a
+/// storage node dead, with pushdown (slice requests) and without it (byte
+/// ranges), each going to the other copy; and takes INSERT, UPDATE and
+/// DELETE, new slices going to the nodes that are up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owned_table_answers_and_takes_writes_with_a_node_dead() {
+    let root = root("dead-node");
+    let (cluster, session) = start(&root).await;
+    sql_rows(
+        &session,
+        "CREATE TABLE r (id BIGINT NOT NULL, v BIGINT) WITH (sort_key = 'id', slice_rows = 300, replicas = 2)",
+    )
+    .await
+    .unwrap();
+    let mut model: Vec<(i64, i64)> = (0..3_000).map(|id| (id, id % 7)).collect();
+    let values = |rows: &[(i64, i64)]| {
+        rows.iter()
+            .map(|(id, v)| format!("({id}, {v})"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    sql_rows(
+        &session,
+        &format!("INSERT INTO r VALUES {}", values(&model)),
+    )
+    .await
+    .unwrap();
+    sql_rows(&session, "DELETE FROM r WHERE v = 3")
+        .await
+        .unwrap();
+    model.retain(|(_, v)| *v != 3);
+    let check = |model: Vec<(i64, i64)>, when: &'static str| {
+        let session = &session;
+        async move {
+            let in_range = model
+                .iter()
+                .filter(|(id, _)| (1000..=1999).contains(id))
+                .count();
+            let per_v = |v: i64| model.iter().filter(|row| row.1 == v).count();
+            let queries = [
+                (
+                    "SELECT count(*), sum(id) FROM r".to_string(),
+                    format!(
+                        "{} | {}",
+                        model.len(),
+                        model.iter().map(|row| row.0).sum::<i64>()
+                    ),
+                ),
+                (
+                    "SELECT count(*) FROM r WHERE id BETWEEN 1000 AND 1999".to_string(),
+                    in_range.to_string(),
+                ),
+                (
+                    "SELECT v, count(*) FROM r WHERE v > 4 GROUP BY v ORDER BY v".to_string(),
+                    format!("5 | {}; 6 | {}", per_v(5), per_v(6)),
+                ),
+            ];
+            for ndp in [true, false] {
+                session.set_ndp(ndp).unwrap();
+                for (sql, expected) in &queries {
+                    let answer = sql_rows(session, sql)
+                        .await
+                        .unwrap_or_else(|error| panic!("ndp {ndp}, {when}: {sql}: {error}"));
+                    assert_eq!(&answer.join("; "), expected, "ndp {ndp}, {when}: {sql}");
+                }
+            }
+            session.set_ndp(true).unwrap();
+        }
+    };
+    let owned = Arc::clone(session.catalog.owned.as_ref().unwrap());
+    let slices_of_r = || {
+        let store = owned.store();
+        let snapshot = store
+            .snapshot("r", store.latest_version().unwrap())
+            .unwrap()
+            .unwrap();
+        snapshot
+            .slices
+            .iter()
+            .map(|slice| (slice.summary.slice, slice.nodes.clone()))
+            .collect::<Vec<_>>()
+    };
+    let last_before = slices_of_r().iter().map(|(slice, _)| *slice).max().unwrap();
+    cluster.nodes[1].faults().kill();
+    check(model.clone(), "node 1 dead").await;
+    // Writes with node 1 dead: new slices on nodes 0 and 2.
+    let more: Vec<(i64, i64)> = (3_000..3_900).map(|id| (id, id % 7)).collect();
+    sql_rows(&session, &format!("INSERT INTO r VALUES {}", values(&more)))
+        .await
+        .unwrap_or_else(|error| panic!("INSERT with node 1 dead: {error}"));
+    model.extend(more);
+    sql_rows(&session, "UPDATE r SET v = 5 WHERE v = 6 AND id < 1500")
+        .await
+        .unwrap_or_else(|error| panic!("UPDATE with node 1 dead: {error}"));
+    for row in &mut model {
+        if row.1 == 6 && row.0 < 1500 {
+            row.1 = 5;
+        }
+    }
+    sql_rows(&session, "DELETE FROM r WHERE id % 10 = 0")
+        .await
+        .unwrap_or_else(|error| panic!("DELETE with node 1 dead: {error}"));
+    model.retain(|(id, _)| id % 10 != 0);
+    check(model.clone(), "after writes with node 1 dead").await;
+    let new_slices: Vec<_> = slices_of_r()
+        .into_iter()
+        .filter(|(slice, _)| *slice > last_before)
+        .collect();
+    assert!(new_slices.len() >= 3, "{new_slices:?}");
+    for (slice, nodes) in new_slices {
+        assert_eq!(nodes.len(), 2, "slice {slice} has two copies: {nodes:?}");
+        assert!(
+            !nodes.contains(&1),
+            "slice {slice} is on the dead node: {nodes:?}"
+        );
+    }
+    drop(session);
+    drop(cluster);
+    std::fs::remove_dir_all(&root).unwrap();
+}

@@ -66,6 +66,14 @@ pub struct OwnedTables {
     staging: PathBuf,
     /// What every writer of this process has loaded, for progress reports.
     progress: LoadProgress,
+    /// The copies of every slice a scan was planned over, by its byte-range
+    /// path (`slices/{storage name}/{file}`): where an NDP-off read fails
+    /// over to ([`crate::ClusterRangeStore`]). Entries of purged slices go.
+    routes: std::sync::RwLock<std::collections::HashMap<String, (u32, Vec<usize>)>>,
+    /// When each node last failed a write, in ms since `epoch` (0: never):
+    /// writers send new slices elsewhere for [`crate::NODE_SUSPECT_MS`].
+    write_failed_at: Vec<AtomicU64>,
+    epoch: std::time::Instant,
     this: Weak<OwnedTables>,
 }
 
@@ -189,6 +197,7 @@ impl OwnedTables {
         range_urls: Vec<Option<String>>,
     ) -> Result<Arc<Self>> {
         let store = TableStore::open(path, clients.len())?;
+        let node_count = clients.len();
         let staging = std::env::temp_dir().join(format!("sieve-writes-{}", std::process::id()));
         let tables = Arc::new_cyclic(|this| Self {
             store,
@@ -198,6 +207,9 @@ impl OwnedTables {
             readers: Mutex::new(BTreeMap::new()),
             staging,
             progress: LoadProgress::default(),
+            routes: Default::default(),
+            write_failed_at: (0..node_count).map(|_| AtomicU64::new(0)).collect(),
+            epoch: std::time::Instant::now(),
             this: Weak::clone(this),
         });
         tables.retain_on_nodes().await;
@@ -233,6 +245,33 @@ impl OwnedTables {
 
     pub(crate) fn progress(&self) -> &LoadProgress {
         &self.progress
+    }
+
+    /// The slice number and the nodes holding copies of the slice file at
+    /// byte-range path `path`, if a scan of this process was planned over it.
+    pub fn route(&self, path: &str) -> Option<(u32, Vec<usize>)> {
+        self.routes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(path)
+            .cloned()
+    }
+
+    /// Remember that `node` failed a write (down or unreachable).
+    pub(crate) fn mark_write_failed(&self, node: usize) {
+        let now = self.epoch.elapsed().as_millis() as u64 + 1;
+        if let Some(failed) = self.write_failed_at.get(node) {
+            failed.store(now, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether `node` failed a write in the last [`crate::NODE_SUSPECT_MS`].
+    pub(crate) fn write_suspect(&self, node: usize) -> bool {
+        let now = self.epoch.elapsed().as_millis() as u64 + 1;
+        self.write_failed_at.get(node).is_some_and(|failed| {
+            let failed = failed.load(Ordering::Relaxed);
+            failed != 0 && now.saturating_sub(failed) < crate::NODE_SUSPECT_MS
+        })
     }
 
     /// Directory for slice files on their way to the nodes.
@@ -279,6 +318,16 @@ impl OwnedTables {
                 }
             })
             .collect();
+        {
+            let mut routes = self.routes.write().unwrap_or_else(|p| p.into_inner());
+            for slice in &slices {
+                if let Some((_, path)) = slice.range_url.split_once("/slices/") {
+                    routes
+                        .entry(format!("slices/{path}"))
+                        .or_insert_with(|| (slice.summary.slice, slice.replicas.clone()));
+                }
+            }
+        }
         let statistics = table_statistics(&snapshot.table.schema, &slices);
         ClusterTable {
             name: storage_name,
@@ -371,20 +420,34 @@ impl OwnedTables {
             .map(|(_, slice, _)| *slice)
             .filter(|slice| !failed.contains(slice))
             .collect();
+        {
+            let mut routes = self.routes.write().unwrap_or_else(|p| p.into_inner());
+            for (table, slice, _) in doomed
+                .iter()
+                .filter(|(_, slice, _)| !failed.contains(slice))
+            {
+                routes.remove(&format!(
+                    "slices/{table}/{}",
+                    sieve_format::slice_file_name(table, *slice)
+                ));
+            }
+        }
         self.store.mark_purged(&purged)
     }
 
     /// Remove the files of slices a failed statement wrote (best effort:
     /// the next `retain-slices` removes what this misses) and forget them.
+    /// Every node is asked, not only those reserved: a slice whose node
+    /// failed went to another.
     pub(crate) async fn abandon(&self, storage_name: &str, written: &[(u32, Vec<usize>)]) {
-        for (slice, nodes) in written {
-            for node in nodes {
+        for (slice, _) in written {
+            for node in 0..self.clients.len() {
                 let body = serde_json::to_vec(&sieve_format::writes::RemoveSlices {
                     table: storage_name.to_string(),
                     slices: vec![*slice],
                 })
                 .expect("JSON");
-                let _ = self.clients[*node]
+                let _ = self.clients[node]
                     .slice_action(sieve_format::writes::REMOVE_SLICES_ACTION, body)
                     .await;
             }

@@ -168,12 +168,24 @@ impl TableWriter {
         Ok(())
     }
 
+    /// The nodes of the next slice: `replicas` of them, round the ring,
+    /// passing over nodes that failed a write lately while enough others
+    /// are left.
     fn choose_nodes(&mut self) -> Vec<usize> {
         let count = self.tables.nodes().max(1);
         let replicas = self.table.layout.replicas.clamp(1, count);
         let first = self.next_node % count;
         self.next_node = (first + 1) % count;
-        (0..replicas).map(|copy| (first + copy) % count).collect()
+        let ring = (0..count).map(|step| (first + step) % count);
+        let healthy: Vec<usize> = ring
+            .clone()
+            .filter(|&node| !self.tables.write_suspect(node))
+            .collect();
+        if healthy.len() >= replicas {
+            healthy[..replicas].to_vec()
+        } else {
+            ring.take(replicas).collect()
+        }
     }
 
     /// Write what is left and commit every slice of this writer, with
@@ -290,7 +302,7 @@ async fn write_slice(
         .await
         .map_or(0, |meta| meta.len());
     let _ = tokio::fs::remove_file(&path).await;
-    let summary = sent?;
+    let (summary, nodes) = sent?;
     tables.progress().stored(bytes);
     Ok(WrittenSlice {
         slice,
@@ -299,26 +311,57 @@ async fn write_slice(
     })
 }
 
-/// Send the slice file to every node of `nodes`, all at once.
+/// Send the slice file to every node of `nodes`, all at once. A node that
+/// fails as a node (down, unreachable: [`crate::as_node_failure`]) is
+/// replaced by another that holds no copy yet, while there is one; any
+/// other failure (a full disk, a refused put) fails the slice. Returns the
+/// summary and the nodes that hold the slice.
 async fn send(
     tables: &OwnedTables,
     storage_name: &str,
     slice: u32,
     nodes: &[usize],
     path: &std::path::Path,
-) -> Result<sieve_format::SliceSummary> {
-    let answers = futures::future::join_all(
-        nodes
-            .iter()
-            .map(|node| tables.client(*node).put_slice(storage_name, slice, path)),
-    )
-    .await;
+) -> Result<(sieve_format::SliceSummary, Vec<usize>)> {
+    let mut holding = Vec::with_capacity(nodes.len());
+    let mut tried: Vec<usize> = nodes.to_vec();
     let mut summary = None;
-    for answer in answers {
-        let answer = answer?;
-        summary.get_or_insert(answer);
+    let mut to_send: Vec<usize> = nodes.to_vec();
+    while !to_send.is_empty() {
+        let answers = futures::future::join_all(
+            to_send
+                .iter()
+                .map(|node| tables.client(*node).put_slice(storage_name, slice, path)),
+        )
+        .await;
+        let mut again = Vec::new();
+        for (node, answer) in std::mem::take(&mut to_send).into_iter().zip(answers) {
+            match answer {
+                Ok(answer) => {
+                    holding.push(node);
+                    summary.get_or_insert(answer);
+                }
+                Err(error) if crate::as_node_failure(&error).is_some() => {
+                    tables.mark_write_failed(node);
+                    let replacement = (0..tables.nodes())
+                        .find(|candidate| {
+                            !tried.contains(candidate) && !tables.write_suspect(*candidate)
+                        })
+                        .ok_or(error)?;
+                    log::warn!(
+                        "slice {slice} of {storage_name}: node {node} failed, sending it to node {replacement}"
+                    );
+                    tried.push(replacement);
+                    again.push(replacement);
+                }
+                Err(error) => return Err(error),
+            }
+        }
+        to_send = again;
     }
-    summary.ok_or_else(|| DataFusionError::Internal("a slice with no node".to_string()))
+    let summary =
+        summary.ok_or_else(|| DataFusionError::Internal("a slice with no node".to_string()))?;
+    Ok((summary, holding))
 }
 
 /// `batch` sorted by the columns `key` (ascending, NULLs first), or as it is.
