@@ -1175,3 +1175,127 @@ async fn an_owned_table_answers_and_takes_writes_with_a_node_dead() {
     drop(cluster);
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// Two compute processes on one catalog (two opens of it in this process
+/// stand for them: each has its own row in the catalog's `processes`).
+/// The versions one reads are kept while the other deletes, compacts and
+/// removes slices; a load running in one is not taken for a crashed
+/// statement's when the other opens the catalog.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_compute_processes_share_a_catalog_without_losing_reads_or_loads() {
+    let root = root("two-processes");
+    let (cluster, first) = start(&root).await;
+    sql_rows(
+        &first,
+        "CREATE TABLE t (id BIGINT NOT NULL) WITH (sort_key = 'id', slice_rows = 100, replicas = 1)",
+    )
+    .await
+    .unwrap();
+    let values: Vec<String> = (0..1_000).map(|id| format!("({id})")).collect();
+    sql_rows(
+        &first,
+        &format!("INSERT INTO t VALUES {}", values.join(", ")),
+    )
+    .await
+    .unwrap();
+    let urls = cluster.urls();
+    let catalog = root.join("catalog.sqlite");
+    let open_second = || {
+        connect_session_with_tables(
+            &urls,
+            Some(cluster.secret()),
+            SessionConfig::new(),
+            Some(&catalog),
+        )
+    };
+    let second = open_second().await.unwrap();
+
+    // The second process plans a scan of the version it sees...
+    let plan = second
+        .sql("SELECT count(*), sum(id) FROM t")
+        .await
+        .unwrap()
+        .create_physical_plan()
+        .await
+        .unwrap();
+    // ...the first deletes half the rows, which compacts every slice
+    // (their old files are removed from the catalog's latest version)...
+    sql_rows(&first, "SET sieve.compact_deleted_share = 0.1")
+        .await
+        .unwrap();
+    sql_rows(&first, "DELETE FROM t WHERE id % 2 = 0")
+        .await
+        .unwrap();
+    let owned = Arc::clone(first.catalog.owned.as_ref().unwrap());
+    owned.purge().await.unwrap();
+    // ...and the scan still reads its version's files.
+    let batches = datafusion::physical_plan::collect(plan, second.context.task_ctx())
+        .await
+        .expect("a version the other process reads keeps its files");
+    assert_eq!(
+        rows_as_text(&batches, false).unwrap(),
+        vec!["1000 | 499500"]
+    );
+    assert_eq!(count(&second, "t").await, "500 | 250000");
+
+    // A load in the first process, its slice on the nodes but not yet
+    // committed, while another process opens the catalog.
+    let table = owned
+        .store()
+        .tables_at(owned.store().latest_version().unwrap())
+        .unwrap()
+        .remove("t")
+        .unwrap();
+    let mut writer = sieve_compute::tables::TableWriter::new(Arc::clone(&owned), table);
+    let batch = RecordBatch::try_new(
+        Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false)])),
+        vec![Arc::new(Int64Array::from_iter_values(5_000..5_100)) as ArrayRef],
+    )
+    .unwrap();
+    let slice_files = || {
+        (0..NODES)
+            .flat_map(|node| std::fs::read_dir(node_directory(&root, node)).unwrap())
+            .map(|entry| entry.unwrap().path())
+            .filter(|path| {
+                path.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("t@")
+            })
+            .flat_map(|table| std::fs::read_dir(table).unwrap())
+            .filter(|file| {
+                file.as_ref()
+                    .unwrap()
+                    .path()
+                    .extension()
+                    .is_some_and(|e| e == "parquet")
+            })
+            .count()
+    };
+    let files_before = slice_files();
+    writer.write(batch).await.unwrap();
+    writer.end_slice().await.unwrap();
+    // The slice is on its node before the other process opens the catalog.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while slice_files() == files_before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slice never reached its node"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let third = open_second().await.unwrap();
+    writer
+        .commit(Default::default(), "INSERT INTO t (test)")
+        .await
+        .expect("a load running elsewhere survives another process opening the catalog");
+    assert_eq!(
+        count(&third, "t").await,
+        format!("600 | {}", 250_000 + (5_000..5_100).sum::<i64>())
+    );
+    drop(third);
+    drop(second);
+    drop(first);
+    drop(cluster);
+    std::fs::remove_dir_all(&root).unwrap();
+}

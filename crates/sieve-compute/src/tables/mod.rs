@@ -45,7 +45,7 @@ pub use provider::OwnedTable;
 pub use schema::SieveSchema;
 pub use store::{
     Change, Deletion, SliceEntry, Snapshot, TableEntry, TableLayout, TableStore, WrittenSlice,
-    SLICE_ROWS_DEFAULT,
+    HEARTBEAT_MS, PROCESS_LEASE_MS, SLICE_ROWS_DEFAULT,
 };
 pub use writer::{TableWriter, SLICE_BUFFER_BYTES_MAX};
 
@@ -214,7 +214,50 @@ impl OwnedTables {
         });
         tables.retain_on_nodes().await;
         tables.purge().await?;
+        // Tell the other processes sharing the catalog which versions this
+        // one reads, while it lives; now and then remove what nobody reads.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let this = Arc::downgrade(&tables);
+            runtime.spawn(async move {
+                let mut beats = 0u64;
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_millis(store::HEARTBEAT_MS)).await;
+                    let Some(tables) = this.upgrade() else {
+                        return;
+                    };
+                    let beating = Arc::clone(&tables);
+                    match tokio::task::spawn_blocking(move || beating.beat()).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(error)) => log::warn!("table catalog heartbeat failed: {error}"),
+                        Err(error) => log::warn!("table catalog heartbeat failed: {error}"),
+                    }
+                    beats += 1;
+                    if beats.is_multiple_of(10) {
+                        if let Err(error) = tables.purge().await {
+                            log::warn!("removing slices no version reads failed: {error}");
+                        }
+                    }
+                }
+            });
+        }
         Ok(tables)
+    }
+
+    /// The oldest version this process's queries read, or the latest.
+    fn oldest_read_here(&self) -> Result<u64> {
+        let readers = self.readers.lock().unwrap_or_else(|p| p.into_inner());
+        match readers.keys().next() {
+            Some(oldest) => Ok(*oldest),
+            None => self.store.latest_version(),
+        }
+    }
+
+    /// Refresh this process's row in the catalog's `processes`.
+    fn beat(&self) -> Result<()> {
+        // Read under the readers' lock: a pin taken after this reading has
+        // a version at least the latest read here.
+        let oldest = self.oldest_read_here()?;
+        self.store.heartbeat(oldest)
     }
 
     /// The catalog.
@@ -374,12 +417,11 @@ impl OwnedTables {
     /// reads still has; marks them purged. A node that fails keeps its
     /// copy until the next purge or the next `retain-slices`.
     pub async fn purge(&self) -> Result<()> {
-        let oldest_read = {
-            let readers = self.readers.lock().unwrap_or_else(|p| p.into_inner());
-            match readers.keys().next() {
-                Some(oldest) => *oldest,
-                None => self.store.latest_version()?,
-            }
+        // Versions read here and by the other live processes on this catalog.
+        let here = self.oldest_read_here()?;
+        let oldest_read = match self.store.oldest_read_elsewhere()? {
+            Some(elsewhere) => here.min(elsewhere),
+            None => here,
         };
         let doomed = self.store.purgeable(oldest_read)?;
         if doomed.is_empty() {

@@ -149,6 +149,37 @@ pub struct Change {
 #[derive(Debug)]
 pub struct TableStore {
     connection: Mutex<Connection>,
+    /// This process's row in `processes` (see [`PROCESS_LEASE_MS`]).
+    process: String,
+}
+
+/// How long a compute process that shares the catalog counts as alive
+/// after its last heartbeat (`processes.heartbeat_ms`), in milliseconds.
+/// While alive, the versions its queries read are kept (no other process
+/// removes their files) and the slices it reserved are not taken for a
+/// crashed statement's. It beats every [`HEARTBEAT_MS`].
+pub const PROCESS_LEASE_MS: u64 = 30_000;
+
+/// How often an open catalog refreshes its process's row.
+pub const HEARTBEAT_MS: u64 = 1_000;
+
+/// Whether a process with id `pid` runs on this host.
+fn pid_alive(pid: i64) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 checks the process exists; nothing is sent.
+    let answer = unsafe { libc::kill(pid, 0) };
+    answer == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as i64)
 }
 
 fn sql_error(error: rusqlite::Error) -> DataFusionError {
@@ -203,14 +234,125 @@ impl TableStore {
                      version INTEGER NOT NULL,
                      vector BLOB NOT NULL,
                      deleted INTEGER NOT NULL,
-                     PRIMARY KEY(slice, version));",
+                     PRIMARY KEY(slice, version));
+                 -- Compute processes sharing this catalog: the oldest version
+                 -- each reads, and when it last said so.
+                 CREATE TABLE IF NOT EXISTS processes(
+                     id TEXT PRIMARY KEY,
+                     pid INTEGER NOT NULL,
+                     oldest_read INTEGER NOT NULL,
+                     heartbeat_ms INTEGER NOT NULL);
+                 -- Slices reserved and not yet committed, by process.
+                 CREATE TABLE IF NOT EXISTS reserved_by(
+                     slice INTEGER PRIMARY KEY,
+                     process TEXT NOT NULL);
+                 -- Tables a CREATE ... AS is loading, by process.
+                 CREATE TABLE IF NOT EXISTS creating_by(
+                     table_id INTEGER PRIMARY KEY,
+                     process TEXT NOT NULL);",
             )
             .map_err(sql_error)?;
+        // Unique among the opens of this process and across processes.
+        static OPENS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let process = format!(
+            "{}-{:x}-{}",
+            std::process::id(),
+            now_ms(),
+            OPENS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
         let store = Self {
             connection: Mutex::new(connection),
+            process,
         };
         store.check_meta(nodes)?;
+        let latest = store.latest_version()?;
+        store.heartbeat(latest)?;
         Ok(store)
+    }
+
+    /// Say that this process is alive and reads no version older than
+    /// `oldest_read` (until it says otherwise).
+    pub fn heartbeat(&self, oldest_read: u64) -> Result<()> {
+        let connection = self.lock();
+        connection
+            .execute(
+                "INSERT INTO processes(id, pid, oldest_read, heartbeat_ms) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT(id) DO UPDATE SET oldest_read = ?3, heartbeat_ms = ?4",
+                params![
+                    self.process,
+                    std::process::id() as i64,
+                    oldest_read as i64,
+                    now_ms()
+                ],
+            )
+            .map_err(sql_error)?;
+        Ok(())
+    }
+
+    /// The oldest version another live process sharing this catalog reads.
+    pub fn oldest_read_elsewhere(&self) -> Result<Option<u64>> {
+        let connection = self.lock();
+        self.forget_dead_processes(&connection)?;
+        connection
+            .query_row(
+                "SELECT MIN(oldest_read) FROM processes WHERE id != ?1",
+                [&self.process],
+                |row| row.get::<_, Option<i64>>(0),
+            )
+            .map(|oldest| oldest.map(|oldest| oldest as u64))
+            .map_err(sql_error)
+    }
+
+    /// Remove the rows of processes that are gone, with their slice and
+    /// table reservations: no heartbeat for [`PROCESS_LEASE_MS`], or no
+    /// process of their pid on this host (a SQLite catalog is shared only
+    /// by processes of one host), as after a crash.
+    fn forget_dead_processes(&self, connection: &Connection) -> Result<()> {
+        let alive_since = now_ms() - PROCESS_LEASE_MS as i64;
+        let mut statement = connection
+            .prepare("SELECT id, pid, heartbeat_ms FROM processes WHERE id != ?1")
+            .map_err(sql_error)?;
+        let rows = statement
+            .query_map([&self.process], |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    row.get::<_, i64>(1)?,
+                    row.get::<_, i64>(2)?,
+                ))
+            })
+            .map_err(sql_error)?;
+        let mut dead = Vec::new();
+        for row in rows {
+            let (id, pid, heartbeat) = row.map_err(sql_error)?;
+            if heartbeat <= alive_since || !pid_alive(pid) {
+                dead.push(id);
+            }
+        }
+        drop(statement);
+        for id in dead {
+            connection
+                .execute("DELETE FROM processes WHERE id = ?1", [&id])
+                .map_err(sql_error)?;
+        }
+        connection
+            .execute(
+                "DELETE FROM reserved_by WHERE process NOT IN (SELECT id FROM processes)",
+                [],
+            )
+            .map_err(sql_error)?;
+        connection
+            .execute(
+                "DELETE FROM creating_by WHERE process NOT IN (SELECT id FROM processes)",
+                [],
+            )
+            .map_err(sql_error)?;
+        Ok(())
+    }
+
+    /// This process is done with the catalog.
+    fn leave(&self) {
+        let connection = self.lock();
+        let _ = connection.execute("DELETE FROM processes WHERE id = ?1", [&self.process]);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Connection> {
@@ -402,6 +544,14 @@ impl TableStore {
             )
             .map_err(sql_error)?;
         let id = transaction.last_insert_rowid() as u64;
+        if !publish {
+            transaction
+                .execute(
+                    "INSERT INTO creating_by(table_id, process) VALUES (?1, ?2)",
+                    params![id as i64, self.process],
+                )
+                .map_err(sql_error)?;
+        }
         transaction.commit().map_err(sql_error)?;
         Ok((
             TableEntry {
@@ -482,6 +632,12 @@ impl TableStore {
                 ],
             )
             .map_err(sql_error)?;
+        transaction
+            .execute(
+                "INSERT INTO reserved_by(slice, process) VALUES (?1, ?2)",
+                params![next, self.process],
+            )
+            .map_err(sql_error)?;
         transaction.commit().map_err(sql_error)?;
         Ok(next as u32)
     }
@@ -516,6 +672,12 @@ impl TableStore {
                     params![version, table as i64],
                 )
                 .map_err(sql_error)?;
+            transaction
+                .execute(
+                    "DELETE FROM creating_by WHERE table_id = ?1",
+                    [table as i64],
+                )
+                .map_err(sql_error)?;
         }
         for slice in &change.added {
             let updated = transaction
@@ -534,6 +696,12 @@ impl TableStore {
             if updated != 1 {
                 return exec_err!("slice {} was not reserved for this table", slice.slice);
             }
+            transaction
+                .execute(
+                    "DELETE FROM reserved_by WHERE slice = ?1",
+                    [slice.slice as i64],
+                )
+                .map_err(sql_error)?;
         }
         for slice in &change.removed {
             let updated = transaction
@@ -604,6 +772,9 @@ impl TableStore {
                     [*slice as i64],
                 )
                 .map_err(sql_error)?;
+            connection
+                .execute("DELETE FROM reserved_by WHERE slice = ?1", [*slice as i64])
+                .map_err(sql_error)?;
         }
         Ok(())
     }
@@ -657,17 +828,24 @@ impl TableStore {
         Ok(())
     }
 
-    /// Every slice each node should keep: committed and not purged, by
-    /// storage name (what `retain-slices` sends). Slices reserved but never
-    /// committed are forgotten first: their statements are over.
+    /// Every slice each node should keep: committed and not purged, or
+    /// reserved by a live process (a statement still running elsewhere),
+    /// by storage name (what `retain-slices` sends). Slices reserved by a
+    /// process that is gone (crashed: no heartbeat for
+    /// [`PROCESS_LEASE_MS`]) are forgotten first: their statements are over.
     pub fn retained(&self) -> Result<BTreeMap<String, Vec<u32>>> {
         let connection = self.lock();
+        self.forget_dead_processes(&connection)?;
         connection
-            .execute("DELETE FROM slices WHERE added IS NULL", [])
+            .execute(
+                "DELETE FROM slices WHERE added IS NULL AND slice NOT IN (SELECT slice FROM reserved_by)",
+                [],
+            )
             .map_err(sql_error)?;
         connection
             .execute(
-                "UPDATE tables SET dropped = -1 WHERE created IS NULL AND dropped IS NULL",
+                "UPDATE tables SET dropped = -1 WHERE created IS NULL AND dropped IS NULL
+                 AND id NOT IN (SELECT table_id FROM creating_by)",
                 [],
             )
             .map_err(sql_error)?;
@@ -694,6 +872,12 @@ impl TableStore {
                 .push(slice as u32);
         }
         Ok(kept)
+    }
+}
+
+impl Drop for TableStore {
+    fn drop(&mut self) {
+        self.leave();
     }
 }
 
