@@ -380,7 +380,32 @@ enum Command {
     },
 }
 
+/// Malloc arenas a `sieve` process may use: one per core, at least two.
+/// glibc's default is eight per core, and each arena keeps the peak its
+/// threads (tokio workers, the blocking pool, a storage node's executors)
+/// reached: a COPY of TPC-H SF 1 lineitem peaked at 1.7 to 1.8 GB with
+/// the default and at 1.2 GB with two arenas, and the compute node's peak
+/// grew query after query at SF 100. Measured in
+/// docs/results/2026-11-25-issue18-part2.md (mimalloc was tried there and
+/// was slower and larger). `MALLOC_ARENA_MAX` in the environment wins.
+fn cap_malloc_arenas() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        if std::env::var_os("MALLOC_ARENA_MAX").is_some() {
+            return;
+        }
+        let cores = std::thread::available_parallelism().map_or(2, |cores| cores.get());
+        let arenas = libc::c_int::try_from(cores.max(2)).unwrap_or(libc::c_int::MAX);
+        // SAFETY: called first in `main`, before any other thread exists;
+        // `mallopt` only sets one of malloc's tunables.
+        unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, arenas);
+        }
+    }
+}
+
 fn main() -> ExitCode {
+    cap_malloc_arenas();
     let cli = Cli::parse();
     // Threads with deep stacks (`sieve_compute::compute_runtime`), and the
     // command's own thread likewise: DataFusion plans by recursion.

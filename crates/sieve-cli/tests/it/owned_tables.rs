@@ -1025,10 +1025,25 @@ async fn a_statement_reads_all_its_tables_and_views_at_one_version() {
         .unwrap(),
         vec!["2 | 1"]
     );
+    // A prepared statement, planned once, reads the version of each run.
+    sql_rows(
+        &session,
+        "PREPARE b_rows_over(BIGINT) AS SELECT count(*) FROM b WHERE id > $1",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        sql_rows(&session, "EXECUTE b_rows_over(0)").await.unwrap(),
+        vec!["1"]
+    );
     // A view made before three commits reads what they committed.
     sql_rows(&session, "INSERT INTO b VALUES (2), (3)")
         .await
         .unwrap();
+    assert_eq!(
+        sql_rows(&session, "EXECUTE b_rows_over(0)").await.unwrap(),
+        vec!["3"]
+    );
     sql_rows(&session, "DELETE FROM a WHERE id = 1")
         .await
         .unwrap();
