@@ -370,12 +370,13 @@ impl SliceExecutor {
         envelope: &FragmentEnvelope,
         schema: &SchemaRef,
     ) -> Result<Arc<DecodedBody>> {
-        if let Some(found) = self
-            .cache
-            .lock()
-            .expect("cache lock is never poisoned")
-            .get(&envelope.table, &envelope.body)
-        {
+        // Decoded under the lock: the slice requests of one query arrive
+        // together, and each body is decoded once, not once per request
+        // that missed the cache before the first had filled it (bodies are
+        // bounded by the request limits; a decode usually takes well under
+        // a millisecond).
+        let mut cache = self.cache.lock().expect("cache lock is never poisoned");
+        if let Some(found) = cache.get(&envelope.table, &envelope.body) {
             return Ok(found);
         }
         let body = Arc::new(DecodedBody::decode(
@@ -384,10 +385,7 @@ impl SliceExecutor {
             &self.task_context,
         )?);
         self.fragments_decoded.fetch_add(1, Ordering::Relaxed);
-        self.cache
-            .lock()
-            .expect("cache lock is never poisoned")
-            .insert(&envelope.table, &envelope.body, Arc::clone(&body));
+        cache.insert(&envelope.table, &envelope.body, Arc::clone(&body));
         Ok(body)
     }
 }
