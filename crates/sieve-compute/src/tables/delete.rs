@@ -34,6 +34,10 @@ use super::{Change, Deletion, OwnedTables, Snapshot, TableWriter};
 use crate::client::SlicePart;
 use crate::{ClusterCatalog, ClusterSlice, ClusterTable, Traffic};
 
+/// Slices a DELETE or UPDATE searches at once. For UPDATE each holds the
+/// rows it found until their turn (at most a slice's rows each).
+pub const CHANGE_SLICES_IN_FLIGHT: usize = 4;
+
 /// Longest silence of a node while it finds one slice's rows.
 const SLICE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -145,10 +149,17 @@ impl ChangeRowsExec {
         let mut change = Change::default();
         let mut changed = 0u64;
         let outcome: Result<()> = async {
-            for (entry, slice) in self.snapshot.slices.iter().zip(&self.cluster_table.slices) {
-                let batches = self
-                    .slice_rows(slice, &body, &decoded, &shipped, &context)
-                    .await?;
+            // Several slices are searched at once (on their nodes, in
+            // parallel); their rows are taken in slice order.
+            let mut searches = Vec::with_capacity(self.cluster_table.slices.len());
+            for slice in &self.cluster_table.slices {
+                searches.push(self.slice_rows(slice, &body, &decoded, &shipped, &context));
+            }
+            let mut found_rows = futures::stream::iter(searches).buffered(CHANGE_SLICES_IN_FLIGHT);
+            for entry in &self.snapshot.slices {
+                let batches = found_rows.next().await.ok_or_else(|| {
+                    DataFusionError::Internal("a slice without its rows".to_string())
+                })??;
                 let mut found = RoaringBitmap::new();
                 for batch in &batches {
                     let positions = batch

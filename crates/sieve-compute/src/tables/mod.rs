@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex, Weak};
 use datafusion::common::Result;
 
 pub use compact::{compact, COMPACT_DELETED_SHARE};
-pub use delete::{ChangeRowsExec, RowChange};
+pub use delete::{ChangeRowsExec, RowChange, CHANGE_SLICES_IN_FLIGHT};
 pub use one_version::ReadOneVersion;
 pub use provider::OwnedTable;
 pub use schema::SieveSchema;
