@@ -303,8 +303,16 @@ impl ClusterCatalog {
             }
         }
         self.owned = Some(
-            crate::tables::OwnedTables::open(path, self.clients.clone(), self.range_urls.clone())
-                .await?,
+            crate::tables::OwnedTables::open(
+                path,
+                self.clients.clone(),
+                self.range_urls.clone(),
+                crate::tables::NodeHealth {
+                    nodes: Arc::clone(&self.nodes),
+                    epoch: self.epoch,
+                },
+            )
+            .await?,
         );
         Ok(self)
     }

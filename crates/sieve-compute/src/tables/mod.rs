@@ -70,10 +70,9 @@ pub struct OwnedTables {
     /// path (`slices/{storage name}/{file}`): where an NDP-off read fails
     /// over to ([`crate::ClusterRangeStore`]). Entries of purged slices go.
     routes: std::sync::RwLock<std::collections::HashMap<String, (u32, Vec<usize>)>>,
-    /// When each node last failed a write, in ms since `epoch` (0: never):
-    /// writers send new slices elsewhere for [`crate::NODE_SUSPECT_MS`].
-    write_failed_at: Vec<AtomicU64>,
-    epoch: std::time::Instant,
+    /// The cluster catalog's node states: a node that failed a read or a
+    /// write lately gets no new slices for [`crate::NODE_SUSPECT_MS`].
+    health: NodeHealth,
     this: Weak<OwnedTables>,
 }
 
@@ -137,6 +136,15 @@ impl fmt::Debug for OwnedTables {
     }
 }
 
+/// The cluster catalog's view of its nodes' health, shared with writers.
+#[derive(Debug, Clone)]
+pub struct NodeHealth {
+    /// [`crate::ClusterCatalog::nodes`].
+    pub nodes: Arc<Vec<crate::catalog::NodeState>>,
+    /// [`crate::ClusterCatalog::epoch`].
+    pub epoch: std::time::Instant,
+}
+
 /// Keeps one version of the owned tables readable while it lives.
 #[derive(Clone)]
 pub struct VersionPin(Arc<PinInner>);
@@ -195,9 +203,9 @@ impl OwnedTables {
         path: &Path,
         clients: Vec<StorageClient>,
         range_urls: Vec<Option<String>>,
+        health: NodeHealth,
     ) -> Result<Arc<Self>> {
         let store = TableStore::open(path, clients.len())?;
-        let node_count = clients.len();
         let staging = std::env::temp_dir().join(format!("sieve-writes-{}", std::process::id()));
         let tables = Arc::new_cyclic(|this| Self {
             store,
@@ -208,8 +216,7 @@ impl OwnedTables {
             staging,
             progress: LoadProgress::default(),
             routes: Default::default(),
-            write_failed_at: (0..node_count).map(|_| AtomicU64::new(0)).collect(),
-            epoch: std::time::Instant::now(),
+            health,
             this: Weak::clone(this),
         });
         tables.retain_on_nodes().await;
@@ -300,19 +307,20 @@ impl OwnedTables {
             .cloned()
     }
 
-    /// Remember that `node` failed a write (down or unreachable).
+    /// Remember that `node` failed a write (down or unreachable), as the
+    /// cluster catalog remembers failed reads.
     pub(crate) fn mark_write_failed(&self, node: usize) {
-        let now = self.epoch.elapsed().as_millis() as u64 + 1;
-        if let Some(failed) = self.write_failed_at.get(node) {
-            failed.store(now, Ordering::Relaxed);
+        let now = self.health.epoch.elapsed().as_millis() as u64 + 1;
+        if let Some(state) = self.health.nodes.get(node) {
+            state.failed_at_ms.store(now, Ordering::Relaxed);
         }
     }
 
-    /// Whether `node` failed a write in the last [`crate::NODE_SUSPECT_MS`].
+    /// Whether `node` failed a request in the last [`crate::NODE_SUSPECT_MS`].
     pub(crate) fn write_suspect(&self, node: usize) -> bool {
-        let now = self.epoch.elapsed().as_millis() as u64 + 1;
-        self.write_failed_at.get(node).is_some_and(|failed| {
-            let failed = failed.load(Ordering::Relaxed);
+        let now = self.health.epoch.elapsed().as_millis() as u64 + 1;
+        self.health.nodes.get(node).is_some_and(|state| {
+            let failed = state.failed_at_ms.load(Ordering::Relaxed);
             failed != 0 && now.saturating_sub(failed) < crate::NODE_SUSPECT_MS
         })
     }
