@@ -14,7 +14,6 @@
 //! run is 50).
 
 use std::fmt::Write as _;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -23,7 +22,7 @@ use datafusion::prelude::SessionConfig;
 use sieve_compute::connect_session_with_tables;
 use sieve_format::node_directory;
 
-use crate::common::Random;
+use crate::common::{free_port, stray_slice_file, Random};
 use sieve_fragment::Secret;
 
 const NODES: usize = 3;
@@ -32,14 +31,6 @@ const FILES: usize = 3_000;
 /// Statements a compute process is given per round: more than it gets
 /// through before the kill, so the kill lands inside a load.
 const STATEMENTS_PER_ROUND: usize = 40;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 struct Node {
     directory: PathBuf,
@@ -189,30 +180,9 @@ async fn check_once(
         .store()
         .retained()
         .unwrap();
-    for node in nodes {
-        for table in std::fs::read_dir(&node.directory).unwrap() {
-            let table = table.unwrap();
-            let name = table.file_name().to_string_lossy().into_owned();
-            if !name.contains('@') {
-                continue;
-            }
-            for file in std::fs::read_dir(table.path()).unwrap() {
-                let file = file.unwrap().file_name().to_string_lossy().into_owned();
-                if file.ends_with(".tmp") {
-                    return Err(format!("a temporary file is left: {name}/{file}"));
-                }
-                let slice: u32 = file
-                    .trim_start_matches(&format!("{name}-"))
-                    .trim_end_matches(".parquet")
-                    .parse()
-                    .unwrap_or_else(|_| panic!("round {round}: an unknown file {name}/{file}"));
-                assert!(
-                    kept.get(&name)
-                        .is_some_and(|slices| slices.contains(&slice)),
-                    "round {round}: {name}/{file} is on a node but no version names it"
-                );
-            }
-        }
+    let directories: Vec<&Path> = nodes.iter().map(|node| node.directory.as_path()).collect();
+    if let Some(stray) = stray_slice_file(&directories, &kept) {
+        return Err(stray);
     }
     Ok((count, sum))
 }

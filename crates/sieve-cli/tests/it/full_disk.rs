@@ -12,7 +12,6 @@
 //! `SIEVE_TESTS_WITHOUT_ROOT=1` to leave it out knowingly).
 
 use std::fmt::Write as _;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -23,17 +22,11 @@ use sieve_compute::{connect_session_with_tables, SieveSession};
 use sieve_format::node_directory;
 use sieve_fragment::Secret;
 
+use crate::common::{free_port, stray_slice_file};
+
 const NODES: usize = 3;
 /// The full node's disk.
 const TMPFS_SIZE: &str = "3m";
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 struct Node {
     child: Child,
@@ -118,36 +111,18 @@ fn assert_nodes_hold_only_committed(session: &SieveSession, nodes: &[Node]) {
         .store()
         .retained()
         .unwrap();
-    let mut files = 0;
-    for node in nodes {
-        for table in std::fs::read_dir(&node.seen_at).unwrap() {
-            let table = table.unwrap();
-            let name = table.file_name().to_string_lossy().into_owned();
-            if !name.contains('@') {
-                continue;
-            }
-            for file in std::fs::read_dir(table.path()).unwrap() {
-                let file = file.unwrap().file_name().to_string_lossy().into_owned();
-                assert!(
-                    !file.ends_with(".tmp"),
-                    "a temporary file is left: {name}/{file}"
-                );
-                let slice: u32 = file
-                    .trim_start_matches(&format!("{name}-"))
-                    .trim_end_matches(".parquet")
-                    .parse()
-                    .unwrap_or_else(|_| panic!("an unknown file {name}/{file}"));
-                assert!(
-                    kept.get(&name)
-                        .is_some_and(|slices| slices.contains(&slice)),
-                    "{name}/{file} is on {} but no version names it",
-                    node.seen_at.display()
-                );
-                files += 1;
-            }
-        }
-    }
+    let files: usize = nodes
+        .iter()
+        .flat_map(|node| std::fs::read_dir(&node.seen_at).unwrap())
+        .map(|table| table.unwrap().path())
+        .filter(|table| table.to_string_lossy().contains('@'))
+        .map(|table| std::fs::read_dir(table).unwrap().count())
+        .sum();
     assert!(files > 0, "the committed slices are on the nodes");
+    let directories: Vec<&Path> = nodes.iter().map(|node| node.seen_at.as_path()).collect();
+    if let Some(stray) = stray_slice_file(&directories, &kept) {
+        panic!("{stray}");
+    }
 }
 
 /// Rows whose `pad` is 96 hexadecimal digits of a pseudo-random number:

@@ -1,6 +1,7 @@
 //! Test data shared by the end-to-end test files.
 
-use std::path::PathBuf;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 use sieve_cli::cluster::generated_tpch;
 use sieve_format::SliceLayout;
@@ -63,4 +64,53 @@ impl Random {
     pub(crate) fn chance(&mut self, percent: u64) -> bool {
         self.below(100) < percent
     }
+}
+
+/// A loopback port free at the moment of asking.
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The first file in the owned tables' directories of `node_directories`
+/// that `kept` (a catalog's `TableStore::retained`) does not name: a
+/// temporary file, or a slice no version and no running load refers to.
+pub(crate) fn stray_slice_file(
+    node_directories: &[&Path],
+    kept: &BTreeMap<String, Vec<u32>>,
+) -> Option<String> {
+    for directory in node_directories {
+        for table in std::fs::read_dir(directory).unwrap() {
+            let table = table.unwrap();
+            let name = table.file_name().to_string_lossy().into_owned();
+            if !name.contains('@') {
+                continue;
+            }
+            for file in std::fs::read_dir(table.path()).unwrap() {
+                let file = file.unwrap().file_name().to_string_lossy().into_owned();
+                if file.ends_with(".tmp") {
+                    return Some(format!("a temporary file is left: {name}/{file}"));
+                }
+                let slice: Option<u32> = file
+                    .trim_start_matches(&format!("{name}-"))
+                    .trim_end_matches(".parquet")
+                    .parse()
+                    .ok();
+                let named = slice.is_some_and(|slice| {
+                    kept.get(&name)
+                        .is_some_and(|slices| slices.contains(&slice))
+                });
+                if !named {
+                    return Some(format!(
+                        "{name}/{file} is on {} but no version names it",
+                        directory.display()
+                    ));
+                }
+            }
+        }
+    }
+    None
 }
