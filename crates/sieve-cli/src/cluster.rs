@@ -4,8 +4,13 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
-use datafusion::common::Result;
-use sieve_format::{generate_tpch, is_generated, node_directory, SliceLayout};
+use datafusion::common::{plan_err, DataFusionError, Result};
+use datafusion::prelude::SessionConfig;
+use sieve_compute::{connect_session_with_tables, SieveSession};
+use sieve_format::{
+    is_generated, node_directory, SliceLayout, FORMAT_VERSION, LOAD_COMPLETE_MARKER,
+    TABLE_CATALOG_FILE, TPCH_TABLES,
+};
 use sieve_fragment::Secret;
 use sieve_storage::{ConnectionLimits, ExecuteOptions, StorageNode, StorageNodeConfig};
 
@@ -13,12 +18,13 @@ use crate::secret::random_secret;
 
 /// Storage nodes started in this process, one per `node-K` directory,
 /// sharing a secret made for this start: connect with
-/// `connect_session(&cluster.urls(), Some(cluster.secret()))`.
+/// [`EmbeddedCluster::session`] (the data set's table catalog too).
 #[derive(Debug)]
 pub struct EmbeddedCluster {
     /// The running nodes.
     pub nodes: Vec<StorageNode>,
     secret: Secret,
+    root: PathBuf,
 }
 
 impl EmbeddedCluster {
@@ -59,7 +65,29 @@ impl EmbeddedCluster {
         Ok(Self {
             nodes: started,
             secret,
+            root: root.to_path_buf(),
         })
+    }
+
+    /// The table catalog of the data set the nodes serve.
+    pub fn catalog_path(&self) -> PathBuf {
+        self.root.join(TABLE_CATALOG_FILE)
+    }
+
+    /// A session over these nodes and the data set's table catalog.
+    pub async fn session(&self) -> Result<SieveSession> {
+        self.session_with(SessionConfig::new()).await
+    }
+
+    /// Like [`Self::session`], starting from `config`.
+    pub async fn session_with(&self, config: SessionConfig) -> Result<SieveSession> {
+        connect_session_with_tables(
+            &self.urls(),
+            Some(&self.secret),
+            config,
+            Some(&self.catalog_path()),
+        )
+        .await
     }
 
     /// The secret every node of this cluster requires.
@@ -105,9 +133,9 @@ pub fn tpch_directory(data: &Path, scale_factor: f64, replicas: usize) -> PathBu
 }
 
 /// TPC-H at `scale_factor` over `nodes` node directories under `root`, each
-/// slice on `replicas` nodes, generated if `root` does not hold a complete
+/// slice on `replicas` nodes, loaded if `root` does not hold a complete
 /// load of this format version, node count and replica count.
-/// Generation goes to a directory of its own and is renamed into place, so
+/// The load goes to a directory of its own and is renamed into place, so
 /// concurrent callers (test processes) never see a partial load: the loser of
 /// the rename discards its copy.
 pub fn generated_tpch(
@@ -122,7 +150,7 @@ pub fn generated_tpch(
     }
     let staging = root.with_extension(format!("staging-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&staging);
-    generate_tpch(&staging, scale_factor, nodes, replicas, layout)?;
+    load_tpch(&staging, scale_factor, nodes, replicas, layout)?;
     if std::fs::rename(&staging, root).is_err() {
         // Another process won, or an old load of another version is in the way.
         if !is_generated(root, nodes, replicas) {
@@ -132,4 +160,86 @@ pub fn generated_tpch(
         let _ = std::fs::remove_dir_all(&staging);
     }
     Ok(root.to_path_buf())
+}
+
+/// Load TPC-H at `scale_factor` into a new data set at `root`: `nodes`
+/// storage-node directories and the table catalog ([`TABLE_CATALOG_FILE`]).
+/// The data enters as any user's does: storage nodes start over the
+/// directories (in this process), and each table is created with
+/// `CREATE TABLE name WITH (sort_key = its key, replicas, slice_rows,
+/// row_group_rows, page_rows) AS SELECT * FROM tpch('name', sf)`: rows cut
+/// into slices, sent to the nodes with `DoPut` and committed in the
+/// catalog. The completion marker is written last. Runs on a thread and
+/// runtime of its own, so it may be called from anywhere.
+pub fn load_tpch(
+    root: &Path,
+    scale_factor: f64,
+    nodes: usize,
+    replicas: usize,
+    layout: &SliceLayout,
+) -> Result<()> {
+    if nodes == 0 {
+        return plan_err!("at least one storage node is needed");
+    }
+    if replicas == 0 || replicas > nodes {
+        return plan_err!(
+            "replicas must be between 1 and the number of nodes ({nodes}), got {replicas}"
+        );
+    }
+    if scale_factor.is_nan() || scale_factor <= 0.0 {
+        return plan_err!("scale factor must be positive, got {scale_factor}");
+    }
+    let _ = std::fs::remove_file(root.join(LOAD_COMPLETE_MARKER));
+    for node in 0..nodes {
+        std::fs::create_dir_all(node_directory(root, node))?;
+    }
+    let load = async {
+        let cluster = EmbeddedCluster::start(root, nodes).await?;
+        let session = cluster.session().await?;
+        for table in TPCH_TABLES {
+            let sql = format!(
+                "CREATE TABLE {name} WITH (sort_key = '{key}', replicas = {replicas}, \
+                 slice_rows = {slice_rows}, row_group_rows = {row_group_rows}, page_rows = {page_rows}) \
+                 AS SELECT * FROM tpch('{name}', {scale_factor})",
+                name = table.name,
+                key = table.key_column(),
+                slice_rows = layout.slice_rows_max,
+                row_group_rows = layout.row_group_rows_max,
+                page_rows = layout.data_page_rows_max,
+            );
+            session.sql(&sql).await?.collect().await?;
+        }
+        drop(session);
+        for node in cluster.nodes {
+            node.stop().await;
+        }
+        Ok::<(), DataFusionError>(())
+    };
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                tokio::runtime::Builder::new_multi_thread()
+                    .enable_all()
+                    .build()?
+                    .block_on(load)
+            })
+            .join()
+            .map_err(|_| DataFusionError::Internal("the TPC-H load panicked".to_string()))?
+    })?;
+    let meta = serde_json::json!({
+        "benchmark": "tpch",
+        "format_version": FORMAT_VERSION,
+        "scale_factor": scale_factor,
+        "nodes": nodes,
+        "replicas": replicas,
+        "catalog": TABLE_CATALOG_FILE,
+        "slice_rows_max": layout.slice_rows_max,
+        "row_group_rows_max": layout.row_group_rows_max,
+        "data_page_rows_max": layout.data_page_rows_max,
+    });
+    std::fs::write(
+        root.join(LOAD_COMPLETE_MARKER),
+        serde_json::to_vec_pretty(&meta).expect("json"),
+    )?;
+    Ok(())
 }

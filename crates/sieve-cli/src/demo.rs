@@ -3,8 +3,9 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use datafusion::common::{exec_err, Result};
-use sieve_compute::{connect_session, SieveSession};
+use datafusion::common::{exec_err, plan_err, Result};
+use datafusion::prelude::SessionConfig;
+use sieve_compute::{connect_session_with_tables, SieveSession};
 
 use crate::secret::load_secret;
 use sieve_format::{is_generated, SliceLayout};
@@ -32,6 +33,8 @@ pub struct DemoOptions {
     pub cluster: Vec<String>,
     /// Session settings (`key=value`) applied before the queries, in both modes.
     pub settings: Vec<String>,
+    /// With `cluster`: the table catalog of the data set those nodes serve.
+    pub catalog: Option<PathBuf>,
 }
 
 /// One query's measurements.
@@ -118,16 +121,30 @@ async fn timed(session: &SieveSession, sql: &str) -> Result<Timed> {
 /// Run the demo and return one report per query. Fails if NDP on and off
 /// ever disagree on a result.
 pub async fn run_demo(options: &DemoOptions) -> Result<Vec<QueryReport>> {
-    let (_cluster, urls, secret) = if options.cluster.is_empty() {
+    let (_cluster, session) = if options.cluster.is_empty() {
         let root = ensure_data(options)?;
         let cluster = EmbeddedCluster::start(&root, options.nodes).await?;
-        let urls = cluster.urls();
-        let secret = Some(cluster.secret().clone());
-        (Some(cluster), urls, secret)
+        let session = cluster.session().await?;
+        (Some(cluster), session)
     } else {
-        (None, options.cluster.clone(), load_secret(None)?)
+        let Some(catalog) = &options.catalog else {
+            return plan_err!(
+                "--cluster needs --catalog: the catalog.sqlite of the data set the nodes serve (sieve gen writes one)"
+            );
+        };
+        if !catalog.is_file() {
+            return plan_err!("there is no table catalog at {}", catalog.display());
+        }
+        let secret = load_secret(None)?;
+        let session = connect_session_with_tables(
+            &options.cluster,
+            secret.as_ref(),
+            SessionConfig::new(),
+            Some(catalog),
+        )
+        .await?;
+        (None, session)
     };
-    let session = connect_session(&urls, secret.as_ref()).await?;
     session.apply_settings(&options.settings)?;
     let mut reports = Vec::new();
     for (name, sql) in TPCH_QUERIES {

@@ -18,7 +18,7 @@ use sieve_cli::fuzz::{
 use sieve_cli::secret::{load_secret, SECRET_ENV};
 use sieve_cli::serve::{run_serve, ServeOptions};
 use sieve_cli::shell::{run_statements, shell, Backend, Format, Printer};
-use sieve_format::{generate_tpch, SliceLayout};
+use sieve_format::SliceLayout;
 use sieve_storage::{ExecuteOptions, StorageNode, StorageNodeConfig};
 
 #[derive(Parser, Debug)]
@@ -61,8 +61,15 @@ enum Command {
         /// A session setting for both modes, e.g. --set sieve.join_filters=false.
         #[arg(long = "set")]
         settings: Vec<String>,
+        /// With --cluster: the data set's table catalog (`catalog.sqlite` of
+        /// the directory `sieve gen` loaded), where its tables are.
+        #[arg(long, requires = "cluster")]
+        catalog: Option<PathBuf>,
     },
-    /// Generate a benchmark data set as slices spread over storage-node directories.
+    /// Load a benchmark data set through the write path: storage nodes over
+    /// --out's node directories (in this process), a table catalog in
+    /// --out/catalog.sqlite, each table created from the `tpch(...)` table
+    /// function as any `CREATE TABLE ... AS SELECT` is.
     Gen {
         /// Benchmark: only `tpch` for now.
         benchmark: String,
@@ -445,6 +452,7 @@ async fn run(cli: Cli) -> Result<()> {
         queries: vec![],
         cluster: vec![],
         settings: vec![],
+        catalog: None,
     });
     match command {
         Command::Demo {
@@ -456,6 +464,7 @@ async fn run(cli: Cli) -> Result<()> {
             queries,
             cluster,
             settings,
+            catalog,
         } => {
             let where_ = if cluster.is_empty() {
                 format!("{nodes} embedded storage nodes (loopback Flight); cpu = whole process")
@@ -475,6 +484,7 @@ async fn run(cli: Cli) -> Result<()> {
                 queries,
                 cluster,
                 settings,
+                catalog,
             };
             let reports = run_demo(&options).await?;
             let warmup = if runs > 1 { " after a warm-up" } else { "" };
@@ -551,10 +561,12 @@ async fn run(cli: Cli) -> Result<()> {
                 data_page_rows_max: page_rows,
                 ..SliceLayout::default()
             };
-            generate_tpch(&out, sf, nodes, replicas, &layout)?;
+            let started = std::time::Instant::now();
+            sieve_cli::cluster::load_tpch(&out, sf, nodes, replicas, &layout)?;
             println!(
-                "generated TPC-H SF {sf} into {} ({nodes} node directories, {replicas} cop{} of each slice)",
+                "loaded TPC-H SF {sf} into {} in {:.1} s ({nodes} node directories and catalog.sqlite, {replicas} cop{} of each slice)",
                 out.display(),
+                started.elapsed().as_secs_f64(),
                 if replicas == 1 { "y" } else { "ies" }
             );
             Ok(())
@@ -742,6 +754,7 @@ async fn run(cli: Cli) -> Result<()> {
                     queries: vec![],
                     cluster: vec![],
                     settings: vec![],
+                    catalog: None,
                 };
                 let root = ensure_data(&options)?;
                 tables.get_or_insert_with(|| root.join(sieve_cli::serve::TABLE_CATALOG_FILE));

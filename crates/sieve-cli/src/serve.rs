@@ -62,7 +62,7 @@ pub struct ServeOptions {
 }
 
 /// The table catalog's file in an embedded cluster's data directory.
-pub const TABLE_CATALOG_FILE: &str = "catalog.sqlite";
+pub use sieve_format::TABLE_CATALOG_FILE;
 
 /// Serve until interrupted (Ctrl-C).
 pub async fn run_serve(options: ServeOptions) -> Result<()> {
@@ -101,6 +101,7 @@ pub async fn run_serve(options: ServeOptions) -> Result<()> {
             queries: vec![],
             cluster: vec![],
             settings: vec![],
+            catalog: None,
         };
         let root = ensure_data(&demo)?;
         catalog.get_or_insert_with(|| root.join(TABLE_CATALOG_FILE));

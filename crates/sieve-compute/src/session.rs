@@ -185,6 +185,7 @@ pub fn session_over(
         .with_physical_optimizer_rule(Arc::new(StartScansEarly))
         .build();
     let context = SessionContext::new_with_state(state);
+    context.register_udtf("tpch", Arc::new(crate::tables::tpch::TpchFunction));
     // A node that holds no slice (or failed discovery) is never routed to;
     // its place holds an address nothing listens on.
     let range_urls: Vec<String> = catalog

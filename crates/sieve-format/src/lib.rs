@@ -39,13 +39,18 @@ pub use layout::{
     copy_slice, slice_file_name, write_slice, write_slice_with_properties, write_table_slice,
     SliceLayout, DISTINCT_COUNTS_KEY, TABLE_SLICES_KEY,
 };
-pub use tpch::{generate_tpch, is_generated, replica_nodes, slice_path, TpchTable, TPCH_TABLES};
+pub use tpch::{is_generated, slice_path, TpchTable, TPCH_TABLES};
 
 /// Version of the on-disk layout. A load written by another version is not
 /// considered complete and is generated again (version 2 added the per-column
 /// distinct counts, version 3 the page checksums or each slice's table slice count,
-/// version 4 both).
-pub const FORMAT_VERSION: u32 = 4;
+/// version 4 both; version 5 loads TPC-H through the write path, into
+/// tables of the data set's catalog).
+pub const FORMAT_VERSION: u32 = 5;
+
+/// The table catalog's file in a data set's directory (beside the node
+/// directories): the SQLite database of the tables' versions.
+pub const TABLE_CATALOG_FILE: &str = "catalog.sqlite";
 
 /// Name of the marker file written after every slice of a load is in place.
 pub const LOAD_COMPLETE_MARKER: &str = "_SUCCESS";

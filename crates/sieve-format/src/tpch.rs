@@ -1,12 +1,10 @@
-//! TPC-H data generation (dbgen-identical, via `tpchgen-arrow`) into slices.
+//! TPC-H rows (dbgen-identical, via `tpchgen-arrow`): what the `tpch(...)`
+//! table function generates and `sieve gen` loads through the write path.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
-use parquet::errors::{ParquetError, Result};
 use tpchgen::generators::{
     CustomerGenerator, LineItemGenerator, NationGenerator, OrderGenerator, PartGenerator,
     PartSuppGenerator, RegionGenerator, SupplierGenerator,
@@ -16,10 +14,7 @@ use tpchgen_arrow::{
     SupplierArrow,
 };
 
-use crate::{
-    copy_slice, node_directory, write_table_slice, SliceLayout, FORMAT_VERSION,
-    LOAD_COMPLETE_MARKER,
-};
+use crate::{FORMAT_VERSION, LOAD_COMPLETE_MARKER};
 
 /// Rows per generated Arrow batch.
 const GENERATE_BATCH_ROWS: usize = 8192;
@@ -70,17 +65,32 @@ pub const TPCH_TABLES: [TpchTable; 8] = [
 ];
 
 impl TpchTable {
-    /// Number of slices this table is cut into at `scale_factor`.
-    fn slice_count(&self, scale_factor: f64, layout: &SliceLayout) -> usize {
-        if self.rows_at_scale_one <= 25 {
-            return 1; // nation and region do not scale
+    /// The table called `name`, if TPC-H has one.
+    pub fn named(name: &str) -> Option<TpchTable> {
+        TPCH_TABLES
+            .iter()
+            .find(|table| table.name.eq_ignore_ascii_case(name))
+            .copied()
+    }
+
+    /// The column its rows are generated in the order of (its key's first
+    /// column): what a load sorts each slice by.
+    pub fn key_column(&self) -> &'static str {
+        match self.name {
+            "nation" => "n_nationkey",
+            "region" => "r_regionkey",
+            "part" => "p_partkey",
+            "supplier" => "s_suppkey",
+            "partsupp" => "ps_partkey",
+            "customer" => "c_custkey",
+            "orders" => "o_orderkey",
+            "lineitem" => "l_orderkey",
+            other => unreachable!("TPCH_TABLES names only known tables, got {other}"),
         }
-        let rows = (self.rows_at_scale_one as f64 * scale_factor).ceil() as usize;
-        rows.div_ceil(layout.slice_rows_max).max(1)
     }
 
     /// Schema and batches of part `part` (1-based) of `parts`.
-    fn generate(
+    pub fn generate(
         &self,
         scale_factor: f64,
         part: i32,
@@ -122,8 +132,8 @@ pub fn slice_path(node_dir: &Path, table: &str, part: usize) -> PathBuf {
 }
 
 /// Whether `root` holds a complete load of this [`FORMAT_VERSION`] over
-/// `nodes` nodes with `replicas` copies of each slice (the marker is written
-/// last and names them).
+/// `nodes` nodes with `replicas` copies of each slice, and its table
+/// catalog (the marker is written last and names them).
 pub fn is_generated(root: &Path, nodes: usize, replicas: usize) -> bool {
     let Ok(marker) = std::fs::read(root.join(LOAD_COMPLETE_MARKER)) else {
         return false;
@@ -135,104 +145,5 @@ pub fn is_generated(root: &Path, nodes: usize, replicas: usize) -> bool {
     number("format_version") == Some(u64::from(FORMAT_VERSION))
         && number("nodes") == Some(nodes as u64)
         && number("replicas").unwrap_or(1) == replicas as u64
-}
-
-/// The nodes holding the copies of a slice whose first copy is on `first`:
-/// `first` and the next `replicas - 1` nodes, wrapping around.
-pub fn replica_nodes(first: usize, replicas: usize, nodes: usize) -> Vec<usize> {
-    (0..replicas).map(|copy| (first + copy) % nodes).collect()
-}
-
-/// Generate TPC-H at `scale_factor` into `root`, spreading slices round-robin
-/// over `nodes` storage-node directories, each slice on `replicas` nodes (the
-/// copies are byte-identical). Slices are generated in parallel on all cores.
-/// The completion marker is written after every slice is in place.
-pub fn generate_tpch(
-    root: &Path,
-    scale_factor: f64,
-    nodes: usize,
-    replicas: usize,
-    layout: &SliceLayout,
-) -> Result<()> {
-    if nodes == 0 {
-        return Err(ParquetError::General(
-            "at least one storage node is needed".into(),
-        ));
-    }
-    if replicas == 0 || replicas > nodes {
-        return Err(ParquetError::General(format!(
-            "replicas must be between 1 and the number of nodes ({nodes}), got {replicas}"
-        )));
-    }
-    if scale_factor.is_nan() || scale_factor <= 0.0 {
-        return Err(ParquetError::General(format!(
-            "scale factor must be positive, got {scale_factor}"
-        )));
-    }
-    let _ = std::fs::remove_file(root.join(LOAD_COMPLETE_MARKER));
-    let mut work = Vec::new();
-    for (table_index, table) in TPCH_TABLES.iter().enumerate() {
-        let parts = table.slice_count(scale_factor, layout);
-        for part in 1..=parts {
-            // Start each table on a different node so single-slice tables spread out.
-            let node = (table_index + part - 1) % nodes;
-            work.push((*table, part, parts, node));
-        }
-    }
-    // Largest tables first, so the tail of the load is short.
-    work.sort_by_key(|(table, ..)| std::cmp::Reverse(table.rows_at_scale_one));
-    let next = AtomicUsize::new(0);
-    let first_error: Mutex<Option<ParquetError>> = Mutex::new(None);
-    let workers = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    std::thread::scope(|scope| {
-        for _ in 0..workers {
-            scope.spawn(|| loop {
-                let index = next.fetch_add(1, Ordering::Relaxed);
-                let Some((table, part, parts, node)) = work.get(index) else {
-                    return;
-                };
-                if first_error.lock().expect("no poisoning").is_some() {
-                    return;
-                }
-                let (schema, batches) = table.generate(scale_factor, *part as i32, *parts as i32);
-                let copies = replica_nodes(*node, replicas, nodes);
-                let path = slice_path(&node_directory(root, copies[0]), table.name, *part);
-                let table_slices = u32::try_from(*parts).ok();
-                let mut written =
-                    write_table_slice(&path, &schema, layout, table_slices, batches).map(|_| ());
-                for &copy in &copies[1..] {
-                    if written.is_ok() {
-                        let to = slice_path(&node_directory(root, copy), table.name, *part);
-                        written = copy_slice(&path, &to);
-                    }
-                }
-                if let Err(error) = written {
-                    first_error
-                        .lock()
-                        .expect("no poisoning")
-                        .get_or_insert(error);
-                    return;
-                }
-            });
-        }
-    });
-    if let Some(error) = first_error.into_inner().expect("no poisoning") {
-        return Err(error);
-    }
-    let meta = serde_json::json!({
-        "benchmark": "tpch",
-        "format_version": FORMAT_VERSION,
-        "scale_factor": scale_factor,
-        "nodes": nodes,
-        "replicas": replicas,
-        "slice_rows_max": layout.slice_rows_max,
-        "data_page_rows_max": layout.data_page_rows_max,
-    });
-    std::fs::write(
-        root.join(LOAD_COMPLETE_MARKER),
-        serde_json::to_vec_pretty(&meta).expect("json"),
-    )?;
-    Ok(())
+        && root.join(crate::TABLE_CATALOG_FILE).is_file()
 }

@@ -28,6 +28,7 @@ mod provider;
 mod schema;
 pub mod statements;
 mod store;
+pub mod tpch;
 mod writer;
 
 use std::collections::BTreeMap;
@@ -45,7 +46,7 @@ pub use provider::OwnedTable;
 pub use schema::SieveSchema;
 pub use store::{
     Change, Deletion, SliceEntry, Snapshot, TableEntry, TableLayout, TableStore, WrittenSlice,
-    HEARTBEAT_MS, PROCESS_LEASE_MS, SLICE_ROWS_DEFAULT,
+    HEARTBEAT_MS, PAGE_ROWS_DEFAULT, PROCESS_LEASE_MS, ROW_GROUP_ROWS_DEFAULT, SLICE_ROWS_DEFAULT,
 };
 pub use writer::{TableWriter, SLICE_BUFFER_BYTES_MAX};
 

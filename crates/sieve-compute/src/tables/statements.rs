@@ -33,7 +33,7 @@ use datafusion::sql::sqlparser::dialect::PostgreSqlDialect;
 use datafusion::sql::sqlparser::parser::Parser;
 use futures::StreamExt;
 
-use super::{Change, OwnedTables, TableLayout, TableWriter, SLICE_ROWS_DEFAULT};
+use super::{Change, OwnedTables, TableLayout, TableWriter};
 use crate::ClusterCatalog;
 
 /// Replicas a table gets when `CREATE TABLE` does not say (at most the
@@ -42,6 +42,13 @@ pub const REPLICAS_DEFAULT: usize = 2;
 
 /// Largest `slice_rows` a table may ask for.
 pub const SLICE_ROWS_MAX: u64 = 10_000_000;
+
+/// Fewest rows per data page a table may ask for (smaller pages make the
+/// page index larger than the data it indexes).
+pub const PAGE_ROWS_MIN: u64 = 64;
+
+/// Most rows per data page a table may ask for.
+pub const PAGE_ROWS_MAX: u64 = 1_048_576;
 
 /// Run `sql` in `context`: the statements this module handles here, the
 /// rest through DataFusion (`context.sql`). A session made by
@@ -198,19 +205,15 @@ fn owned(catalog: &ClusterCatalog) -> Result<&Arc<OwnedTables>> {
 
 /// The layout `WITH (...)` asks for.
 fn layout_from(options: &CreateTableOptions, schema: &Schema, nodes: usize) -> Result<TableLayout> {
-    let mut layout = TableLayout {
-        sort_key: vec![],
-        replicas: REPLICAS_DEFAULT.min(nodes.max(1)),
-        slice_rows: SLICE_ROWS_DEFAULT,
-    };
+    let mut layout = TableLayout::with_replicas(REPLICAS_DEFAULT.min(nodes.max(1)));
     let options: &[SqlOption] = match options {
         CreateTableOptions::None => &[],
         CreateTableOptions::With(options) => options,
-        other => return plan_err!("table options '{other}' are not supported; use WITH (sort_key = '...', replicas = N, slice_rows = N)"),
+        other => return plan_err!("table options '{other}' are not supported; use WITH (sort_key = '...', replicas = N, slice_rows = N, row_group_rows = N, page_rows = N)"),
     };
     for option in options {
         let SqlOption::KeyValue { key, value } = option else {
-            return plan_err!("table option '{option}' is not supported; use WITH (sort_key = '...', replicas = N, slice_rows = N)");
+            return plan_err!("table option '{option}' is not supported; use WITH (sort_key = '...', replicas = N, slice_rows = N, row_group_rows = N, page_rows = N)");
         };
         let text = match value {
             SqlExpr::Value(value) => match &value.value {
@@ -254,9 +257,31 @@ fn layout_from(options: &CreateTableOptions, schema: &Schema, nodes: usize) -> R
                 }
                 layout.slice_rows = rows;
             }
+            "row_group_rows" => {
+                let rows: u64 = text.parse().map_err(|_| {
+                    plan_datafusion_err!("row_group_rows must be a whole number, not '{text}'")
+                })?;
+                if rows == 0 || rows > SLICE_ROWS_MAX {
+                    return plan_err!(
+                        "row_group_rows must be from 1 to {SLICE_ROWS_MAX}, not {rows}"
+                    );
+                }
+                layout.row_group_rows = rows;
+            }
+            "page_rows" => {
+                let rows: u64 = text.parse().map_err(|_| {
+                    plan_datafusion_err!("page_rows must be a whole number, not '{text}'")
+                })?;
+                if !(PAGE_ROWS_MIN..=PAGE_ROWS_MAX).contains(&rows) {
+                    return plan_err!(
+                        "page_rows must be from {PAGE_ROWS_MIN} to {PAGE_ROWS_MAX}, not {rows}"
+                    );
+                }
+                layout.page_rows = rows;
+            }
             other => {
                 return plan_err!(
-                    "unknown table option '{other}' (known: sort_key, replicas, slice_rows)"
+                    "unknown table option '{other}' (known: sort_key, replicas, slice_rows, row_group_rows, page_rows)"
                 )
             }
         }

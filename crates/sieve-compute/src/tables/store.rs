@@ -41,6 +41,13 @@ const LAYOUT_VERSION: &str = "1";
 /// Default of a table's `slice_rows`: rows per slice.
 pub const SLICE_ROWS_DEFAULT: u64 = 1_000_000;
 
+/// Default of a table's `row_group_rows`: rows per Parquet row group.
+pub const ROW_GROUP_ROWS_DEFAULT: u64 = 131_072;
+
+/// Default of a table's `page_rows`: rows per data page, the resolution of
+/// page skipping.
+pub const PAGE_ROWS_DEFAULT: u64 = 4096;
+
 /// How a table is laid out on the nodes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TableLayout {
@@ -50,6 +57,34 @@ pub struct TableLayout {
     pub replicas: usize,
     /// Rows per slice, at most.
     pub slice_rows: u64,
+    /// Rows per row group in a slice, at most.
+    pub row_group_rows: u64,
+    /// Rows per data page, at most.
+    pub page_rows: u64,
+}
+
+impl TableLayout {
+    /// The default layout with `replicas` copies: no sort key.
+    pub fn with_replicas(replicas: usize) -> Self {
+        Self {
+            sort_key: vec![],
+            replicas,
+            slice_rows: SLICE_ROWS_DEFAULT,
+            row_group_rows: ROW_GROUP_ROWS_DEFAULT,
+            page_rows: PAGE_ROWS_DEFAULT,
+        }
+    }
+
+    /// The Parquet layout of this table's slices.
+    pub fn slice_layout(&self) -> sieve_format::SliceLayout {
+        let default = sieve_format::SliceLayout::default();
+        sieve_format::SliceLayout {
+            slice_rows_max: usize::try_from(self.slice_rows).unwrap_or(usize::MAX),
+            row_group_rows_max: usize::try_from(self.row_group_rows).unwrap_or(usize::MAX),
+            data_page_rows_max: usize::try_from(self.page_rows).unwrap_or(usize::MAX),
+            ..default
+        }
+    }
 }
 
 /// A table as the catalog records it.
@@ -218,7 +253,9 @@ impl TableStore {
                      replicas INTEGER NOT NULL,
                      slice_rows INTEGER NOT NULL,
                      created INTEGER,
-                     dropped INTEGER);
+                     dropped INTEGER,
+                     row_group_rows INTEGER NOT NULL DEFAULT 131072,
+                     page_rows INTEGER NOT NULL DEFAULT 4096);
                  CREATE UNIQUE INDEX IF NOT EXISTS live_table_names ON tables(name) WHERE dropped IS NULL;
                  CREATE TABLE IF NOT EXISTS slices(
                      slice INTEGER PRIMARY KEY,
@@ -252,6 +289,7 @@ impl TableStore {
                      process TEXT NOT NULL);",
             )
             .map_err(sql_error)?;
+        add_layout_columns(&connection)?;
         // Unique among the opens of this process and across processes.
         static OPENS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let process = format!(
@@ -420,7 +458,7 @@ impl TableStore {
         let connection = self.lock();
         let mut statement = connection
             .prepare(
-                "SELECT id, name, schema, sort_key, replicas, slice_rows FROM tables
+                "SELECT id, name, schema, sort_key, replicas, slice_rows, row_group_rows, page_rows FROM tables
                  WHERE created IS NOT NULL AND created <= ?1 AND (dropped IS NULL OR dropped > ?1)",
             )
             .map_err(sql_error)?;
@@ -532,7 +570,7 @@ impl TableStore {
         let schema_bytes = encode_schema(schema)?;
         transaction
             .execute(
-                "INSERT INTO tables(name, schema, sort_key, replicas, slice_rows, created) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                "INSERT INTO tables(name, schema, sort_key, replicas, slice_rows, created, row_group_rows, page_rows) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
                 params![
                     name,
                     schema_bytes,
@@ -540,6 +578,8 @@ impl TableStore {
                     layout.replicas as i64,
                     layout.slice_rows as i64,
                     version.map(|version| version as i64),
+                    layout.row_group_rows as i64,
+                    layout.page_rows as i64,
                 ],
             )
             .map_err(sql_error)?;
@@ -881,7 +921,7 @@ impl Drop for TableStore {
     }
 }
 
-type TableRow = (i64, String, Vec<u8>, String, i64, i64);
+type TableRow = (i64, String, Vec<u8>, String, i64, i64, i64, i64);
 
 fn table_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<TableRow> {
     Ok((
@@ -891,11 +931,39 @@ fn table_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<TableRow> {
         row.get(3)?,
         row.get(4)?,
         row.get(5)?,
+        row.get(6)?,
+        row.get(7)?,
     ))
 }
 
+/// Catalogs made before tables had `row_group_rows` and `page_rows` get
+/// the columns, with the defaults every table had then.
+fn add_layout_columns(connection: &Connection) -> Result<()> {
+    let mut statement = connection
+        .prepare("SELECT name FROM pragma_table_info('tables')")
+        .map_err(sql_error)?;
+    let columns = statement
+        .query_map([], |row| row.get::<_, String>(0))
+        .map_err(sql_error)?
+        .collect::<rusqlite::Result<Vec<String>>>()
+        .map_err(sql_error)?;
+    for (column, default) in [
+        ("row_group_rows", ROW_GROUP_ROWS_DEFAULT),
+        ("page_rows", PAGE_ROWS_DEFAULT),
+    ] {
+        if !columns.iter().any(|name| name == column) {
+            connection
+                .execute_batch(&format!(
+                    "ALTER TABLE tables ADD COLUMN {column} INTEGER NOT NULL DEFAULT {default}"
+                ))
+                .map_err(sql_error)?;
+        }
+    }
+    Ok(())
+}
+
 fn decode_table(
-    (id, name, schema, sort_key, replicas, slice_rows): TableRow,
+    (id, name, schema, sort_key, replicas, slice_rows, row_group_rows, page_rows): TableRow,
 ) -> Result<TableEntry> {
     Ok(TableEntry {
         id: id as u64,
@@ -906,6 +974,8 @@ fn decode_table(
                 .map_err(|error| DataFusionError::External(Box::new(error)))?,
             replicas: replicas as usize,
             slice_rows: slice_rows as u64,
+            row_group_rows: row_group_rows.max(1) as u64,
+            page_rows: page_rows.max(1) as u64,
         },
     })
 }
@@ -946,6 +1016,8 @@ mod tests {
             sort_key: vec!["a".into()],
             replicas: 1,
             slice_rows: 10,
+            row_group_rows: ROW_GROUP_ROWS_DEFAULT,
+            page_rows: PAGE_ROWS_DEFAULT,
         }
     }
 

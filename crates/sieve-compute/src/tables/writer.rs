@@ -18,7 +18,6 @@ use arrow::compute::{concat_batches, lexsort_to_indices, take_record_batch, Sort
 use arrow::datatypes::SchemaRef;
 use datafusion::common::{exec_err, DataFusionError, Result};
 use parquet::schema::types::ColumnPath;
-use sieve_format::SliceLayout;
 use tokio::task::JoinHandle;
 
 use super::{Change, OwnedTables, TableEntry, WrittenSlice};
@@ -273,7 +272,7 @@ async fn write_slice(
             let batch = concat_batches(&schema, &batches)?;
             drop(batches);
             let batch = sort_by_key(&batch, &table.layout.sort_key)?;
-            let layout = SliceLayout::default();
+            let layout = table.layout.slice_layout();
             let mut properties = layout.writer_properties(&schema).into_builder();
             for column in &table.layout.sort_key {
                 let column = ColumnPath::from(column.as_str());
