@@ -12,12 +12,15 @@ use datafusion::execution::SessionStateBuilder;
 use datafusion::parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use sieve_compute::physical_rules_without_static_filter_pushdown;
-use sieve_format::{node_directory, TPCH_TABLES};
+use sieve_compute::tables::TableStore;
+use sieve_format::{node_directory, slice_file_name, TABLE_CATALOG_FILE, TPCH_TABLES};
 use std::sync::Arc;
 
 /// A plain DataFusion session over the same slice files, read locally,
 /// without Sieve: the independent reference for every result. A replicated
-/// slice is read once.
+/// slice is read once. A table of the data set's catalog is read from the
+/// slice files its latest version names (only the file list comes from the
+/// catalog); any other from its directories, `node-K/table/*.parquet`.
 pub async fn reference_context(root: &Path, nodes: usize) -> Result<SessionContext> {
     let names: Vec<&str> = TPCH_TABLES.iter().map(|table| table.name).collect();
     reference_context_for(root, nodes, &names).await
@@ -55,10 +58,39 @@ pub async fn reference_context_for(
         )
         .build();
     let context = SessionContext::new_with_state(state);
+    // Tables of the data set's catalog (loaded through the write path):
+    // the slice files of their latest version.
+    let catalog = root.join(TABLE_CATALOG_FILE);
+    let owned = if catalog.is_file() {
+        Some(TableStore::open(&catalog, nodes)?)
+    } else {
+        None
+    };
     for &table in tables {
         // Each slice file once, from the first node holding a copy.
         let mut files = std::collections::BTreeMap::new();
-        for node in 0..nodes {
+        let snapshot = match &owned {
+            Some(store) => store.snapshot(table, store.latest_version()?)?,
+            None => None,
+        };
+        if let Some(snapshot) = snapshot {
+            let storage_name = snapshot.table.storage_name();
+            for slice in &snapshot.slices {
+                if slice.deleted_rows > 0 {
+                    return plan_err!(
+                        "table {table} has deleted rows; the reference reads whole slice files"
+                    );
+                }
+                let Some(&node) = slice.nodes.first() else {
+                    return plan_err!("slice {} of {table} is on no node", slice.slice);
+                };
+                let name = slice_file_name(&storage_name, slice.slice);
+                let path = node_directory(root, node).join(&storage_name).join(&name);
+                files.insert(Some(name.into()), path);
+            }
+        }
+        let from_catalog = !files.is_empty();
+        for node in (0..nodes).filter(|_| !from_catalog) {
             let directory = node_directory(root, node).join(table);
             if !directory.is_dir() {
                 continue;

@@ -293,7 +293,12 @@ impl ClusterCatalog {
     pub async fn with_owned_tables(mut self, path: &std::path::Path) -> Result<Self> {
         // A node that held no slice announced no byte-range endpoint; ask it.
         for (node, client) in self.clients.iter().enumerate() {
-            if self.range_urls[node].is_some() {
+            // A node that failed discovery is not waited for again.
+            let failed = self
+                .discovery_failures
+                .iter()
+                .any(|failure| failure.node == node);
+            if self.range_urls[node].is_some() || failed {
                 continue;
             }
             if let Ok(stats) = client.stats().await {
@@ -310,6 +315,11 @@ impl ClusterCatalog {
                 crate::tables::NodeHealth {
                     nodes: Arc::clone(&self.nodes),
                     epoch: self.epoch,
+                    unreachable: self
+                        .discovery_failures
+                        .iter()
+                        .map(|failure| failure.node)
+                        .collect(),
                 },
             )
             .await?,

@@ -53,6 +53,49 @@ impl SieveSession {
         crate::tables::statements::run_sql(&self.context, sql).await
     }
 
+    /// Every table's slice files as byte-range URLs, one copy of each:
+    /// what another engine reading the same files is given (the bench's
+    /// DuckDB). The tables users own are read at their latest version; one
+    /// with deleted rows is refused, as its files hold them.
+    pub fn slice_urls(&self) -> Result<std::collections::BTreeMap<String, Vec<String>>> {
+        let mut tables: std::collections::BTreeMap<String, Vec<String>> = self
+            .catalog
+            .tables
+            .iter()
+            .map(|(name, table)| {
+                let urls = table
+                    .slices
+                    .iter()
+                    .map(|slice| slice.range_url.clone())
+                    .collect();
+                (name.clone(), urls)
+            })
+            .collect();
+        if let Some(owned) = &self.catalog.owned {
+            let pin = owned.pin_latest()?;
+            for name in owned.store().tables_at(pin.version())?.into_keys() {
+                let Some(snapshot) = owned.store().snapshot(&name, pin.version())? else {
+                    continue;
+                };
+                if snapshot.slices.iter().any(|slice| slice.deleted_rows > 0) {
+                    return datafusion::common::plan_err!(
+                        "table {name} has deleted rows, which its slice files still hold"
+                    );
+                }
+                let table = owned.cluster_table(&snapshot, &pin);
+                tables.insert(
+                    name,
+                    table
+                        .slices
+                        .iter()
+                        .map(|slice| slice.range_url.clone())
+                        .collect(),
+                );
+            }
+        }
+        Ok(tables)
+    }
+
     /// Run `SET sieve.ndp = on|off`.
     pub fn set_ndp(&self, on: bool) -> Result<()> {
         let state = self.context.state_ref();

@@ -168,7 +168,13 @@ pub async fn run_clients_bench(options: &ClientsBenchOptions) -> Result<Vec<Clie
         &SliceLayout::default(),
     )?;
     let cluster = EmbeddedCluster::start(&root, options.nodes).await?;
-    let factory = session_factory(&cluster.urls(), Some(cluster.secret()), vec![], None).await?;
+    let factory = session_factory(
+        &cluster.urls(),
+        Some(cluster.secret()),
+        vec![],
+        Some(&cluster.catalog_path()),
+    )
+    .await?;
     let password = Users::random_password(12)?;
     let users = Arc::new(Users::new([("sieve".to_string(), password.clone())])?);
     let (pg_listener, pg_address) = bind("127.0.0.1:0".parse().map_err(external)?).await?;

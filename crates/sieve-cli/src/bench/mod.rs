@@ -32,8 +32,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use datafusion::common::{exec_err, plan_err, Result};
+use datafusion::prelude::SessionConfig;
 use indicatif::{ProgressBar, ProgressStyle};
-use sieve_compute::{connect_session, SieveSession, StorageClient};
+use sieve_compute::{connect_session_with_tables, SieveSession, StorageClient};
 use sieve_format::{node_directory, SliceLayout};
 
 pub use link::LinkSpec;
@@ -198,23 +199,17 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         .iter()
         .map(|node| node.flight_url.clone())
         .collect();
-    let session = connect_session(&urls, Some(&secret)).await?;
+    let session = connect_session_with_tables(
+        &urls,
+        Some(&secret),
+        SessionConfig::new(),
+        Some(&root.join(sieve_format::TABLE_CATALOG_FILE)),
+    )
+    .await?;
     session.apply_settings(&options.settings)?;
     let mut duck = match &python {
         Some(python) => {
-            let tables: BTreeMap<String, Vec<String>> = session
-                .catalog
-                .tables
-                .iter()
-                .map(|(name, table)| {
-                    let urls = table
-                        .slices
-                        .iter()
-                        .map(|slice| slice.range_url.clone())
-                        .collect();
-                    (name.clone(), urls)
-                })
-                .collect();
+            let tables: BTreeMap<String, Vec<String>> = session.slice_urls()?;
             Some(duckdb::DuckDb::start(
                 python,
                 &options.out_directory,

@@ -22,7 +22,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use datafusion::common::{exec_err, plan_err, Result};
-use sieve_compute::connect_session;
 use sieve_format::SliceLayout;
 use sieve_storage::ExecuteOptions;
 
@@ -120,7 +119,7 @@ pub async fn run_streams(options: &StreamsOptions) -> Result<Vec<PhaseReport>> {
 
     // The reference: every query once, NDP off.
     let cluster = EmbeddedCluster::start(&root, options.nodes).await?;
-    let session = connect_session(&cluster.urls(), Some(cluster.secret())).await?;
+    let session = cluster.session().await?;
     session.apply_settings(&options.settings)?;
     session.set_ndp(false)?;
     let mut expected = Vec::new();
@@ -166,7 +165,7 @@ async fn phase(
         },
     )
     .await?;
-    let session = connect_session(&cluster.urls(), Some(cluster.secret())).await?;
+    let session = cluster.session().await?;
     session.apply_settings(&options.settings)?;
     session.set_ndp(true)?;
     let total = options.streams * TPCH_QUERIES.len();

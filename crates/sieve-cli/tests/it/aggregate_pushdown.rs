@@ -11,7 +11,7 @@ use arrow::record_batch::RecordBatch;
 use datafusion::prelude::SessionContext;
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context_for, rows_as_text, run};
-use sieve_compute::{connect_session, SieveSession};
+use sieve_compute::SieveSession;
 use sieve_format::{node_directory, slice_path, write_slice, SliceLayout};
 
 const NODES: usize = 3;
@@ -203,9 +203,7 @@ async fn check_cases(session: &SieveSession, reference: &SessionContext) {
 async fn pushed_aggregates_over_raw_slices_equal_plain_datafusion() {
     let root = data("raw");
     let cluster = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     let reference = reference_context_for(&root, NODES, &["edge", "big"])
         .await
         .unwrap();
@@ -220,9 +218,7 @@ async fn pushed_aggregates_over_raw_slices_equal_plain_datafusion() {
 async fn pushed_aggregates_equal_plain_datafusion_on_the_edge_cases() {
     let root = data("processed");
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     let reference = reference_context_for(&root, NODES, &["edge", "big"])
         .await
         .unwrap();

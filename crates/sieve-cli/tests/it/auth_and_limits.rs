@@ -29,7 +29,11 @@ fn wrong_secret() -> Secret {
 fn ticket(cluster: &EmbeddedCluster, table: &str) -> (Vec<u8>, u32) {
     for node in &cluster.nodes {
         let catalog = node.executor().catalog();
-        if let Ok(found) = catalog.table(table) {
+        let tables = catalog.tables();
+        let held = tables
+            .iter()
+            .find(|(name, _)| common::sql_name(name) == table);
+        if let Some((table, found)) = held {
             let slice = *found.slices.keys().next().unwrap();
             let body = Fragment {
                 projection: (0..found.schema.fields().len()).collect(),
@@ -101,9 +105,7 @@ async fn flight_calls_without_the_secret_are_refused_with_unauthenticated() {
         "{refused}"
     );
     // With it, everything works.
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     let batches = run(&session.context, "select count(*) from region")
         .await
         .unwrap();
@@ -200,9 +202,7 @@ async fn five_hundred_half_open_connections_do_not_stop_a_node_serving() {
         }
     }
     let started = Instant::now();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     for on in [true, false] {
         session.set_ndp(on).unwrap();
         let batches = run(&session.context, sql).await.unwrap();
@@ -296,9 +296,7 @@ async fn half_open_connections_are_closed_and_connections_over_the_bound_refused
     }
     // Once those are gone, the node serves again.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     session.set_ndp(false).unwrap();
     let batches = run(&session.context, "select count(*) from nation")
         .await

@@ -15,7 +15,7 @@ use sieve_cli::cluster::{generated_tpch, EmbeddedCluster};
 use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_cli::queries::{is_ordered, TPCH_QUERIES};
 use sieve_compute::{
-    connect_session, AuthenticatedFlightClient, BearerAuth, SieveScanExec, SieveSession,
+    connect_session_with_tables, AuthenticatedFlightClient, BearerAuth, SieveScanExec, SieveSession,
 };
 use sieve_format::SliceLayout;
 use sieve_fragment::Secret;
@@ -66,9 +66,7 @@ async fn run_with_scan_metrics(
 async fn without_pushdown_workers_every_slice_is_raw_and_results_are_identical() {
     let root = test_data();
     let cluster = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     let reference = reference_context(&root, NODES).await.unwrap();
     let mut total_slices = 0;
     for (name, sql) in TPCH_QUERIES {
@@ -137,9 +135,17 @@ async fn a_small_pool_under_concurrent_queries_mixes_raw_and_processed_slices() 
     for stream in 0..4 {
         let urls = cluster.urls();
         let secret = cluster.secret().clone();
+        let catalog = cluster.catalog_path();
         let expected = Arc::clone(&expected);
         streams.push(tokio::spawn(async move {
-            let session = connect_session(&urls, Some(&secret)).await.unwrap();
+            let session = connect_session_with_tables(
+                &urls,
+                Some(&secret),
+                datafusion::prelude::SessionConfig::new(),
+                Some(&catalog),
+            )
+            .await
+            .unwrap();
             for step in 0..queries.len() {
                 let index = (step + stream * 3) % queries.len();
                 let (_, sql) = TPCH_QUERIES
@@ -179,6 +185,7 @@ fn one_big_slice_data() -> PathBuf {
 }
 
 fn whole_slice_ticket(schema: &arrow::datatypes::Schema, table: &str) -> Vec<u8> {
+    let table = common::stored(&one_big_slice_data(), table);
     let body = Fragment {
         projection: (0..schema.fields().len()).collect(),
         predicate: None,
@@ -186,7 +193,7 @@ fn whole_slice_ticket(schema: &arrow::datatypes::Schema, table: &str) -> Vec<u8>
     }
     .encode_body(schema)
     .unwrap();
-    FragmentEnvelope::new(table, 1, body)
+    FragmentEnvelope::new(&table.name, table.slice(0), body)
         .with_ipc_codec(IpcCodec::None)
         .encode_to_vec()
 }
@@ -256,9 +263,16 @@ async fn a_node_busy_with_pushdown_still_answers_plain_reads_and_catalog_request
     .unwrap();
     let node = &cluster.nodes[0];
     let catalog = node.executor().catalog();
-    let lineitem = catalog.slice("lineitem", 1).unwrap().1;
-    let region_schema = Arc::clone(&catalog.table("region").unwrap().schema);
-    let lineitem_schema = Arc::clone(&catalog.table("lineitem").unwrap().schema);
+    let (lineitem_stored, region_stored) = (
+        common::stored(&one_big_slice_data(), "lineitem"),
+        common::stored(&one_big_slice_data(), "region"),
+    );
+    let lineitem = catalog
+        .slice(&lineitem_stored.name, lineitem_stored.slice(0))
+        .unwrap()
+        .1;
+    let region_schema = Arc::clone(&catalog.table(&region_stored.name).unwrap().schema);
+    let lineitem_schema = Arc::clone(&catalog.table(&lineitem_stored.name).unwrap().schema);
 
     // Occupy the only pushdown worker: a whole lineitem slice, uncompressed,
     // asked for and never read, so the worker blocks on a full connection.
@@ -311,7 +325,7 @@ async fn a_node_busy_with_pushdown_still_answers_plain_reads_and_catalog_request
         bound,
         range_read(
             node.range_address(),
-            &format!("/slices/lineitem/{}", lineitem.summary.file),
+            &format!("/slices/{}/{}", lineitem_stored.name, lineitem.summary.file),
             lineitem.summary.bytes,
             cluster.secret(),
         ),
@@ -359,9 +373,7 @@ async fn a_node_busy_with_pushdown_still_answers_plain_reads_and_catalog_request
 async fn parallelism_on_three_levels_is_in_the_scan_metrics() {
     let root = test_data();
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     session
         .context
         .sql("set datafusion.execution.target_partitions = 2")
@@ -416,7 +428,7 @@ async fn readers_that_pause_do_not_starve_another_slice_stream_on_the_same_conne
         &cluster.nodes[0]
             .executor()
             .catalog()
-            .table("lineitem")
+            .table(&common::stored(&one_big_slice_data(), "lineitem").name)
             .unwrap()
             .schema,
     );

@@ -12,7 +12,7 @@ use arrow::datatypes::{DataType, Field, Schema};
 use arrow::record_batch::RecordBatch;
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context_for, rows_as_text, run};
-use sieve_compute::{connect_session, SieveSession};
+use sieve_compute::SieveSession;
 use sieve_format::{copy_slice, node_directory, slice_path, write_slice, SliceLayout};
 
 const NODES: usize = 3;
@@ -123,18 +123,14 @@ async fn a_data_error_in_a_pushed_filter_is_raised_once_without_failover() {
     }
 
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     check(&session, "processed").await;
     let (_, served) = cluster.slices_raw_and_served();
     assert!(served > 0);
 
     // Raw slices: the compute node runs the fragment and meets the same error.
     let raw = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();
-    let raw_session = connect_session(&raw.urls(), Some(raw.secret()))
-        .await
-        .unwrap();
+    let raw_session = raw.session().await.unwrap();
     check(&raw_session, "raw").await;
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -24,7 +24,7 @@ use futures::StreamExt;
 use prost::Message;
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context_for, rows_as_text, run};
-use sieve_compute::{compute_runtime, connect_session};
+use sieve_compute::compute_runtime;
 use sieve_fragment::{schema_fingerprint, FragmentBody, FragmentEnvelope, SieveCodec};
 
 const TABLES: [&str; 1] = ["lineitem"];
@@ -67,9 +67,7 @@ fn deep_filters_get_their_answer_on_the_compute_node() {
             .await
             .unwrap();
         let cluster = EmbeddedCluster::start(&root, common::NODES).await.unwrap();
-        let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-            .await
-            .unwrap();
+        let session = cluster.session().await.unwrap();
 
         // EXPLAIN says why the filter stays here.
         let plan = run(&session.context, &format!("explain {}", chain(60)))
@@ -147,12 +145,13 @@ fn deep_filters_get_their_answer_on_the_compute_node() {
 fn a_storage_node_refuses_a_deep_fragment_and_keeps_serving() {
     on_deep_stacks(async {
         let root = common::small_slices(1);
+        let lineitem = common::stored(&root, "lineitem");
         let cluster = EmbeddedCluster::start(&root, common::NODES).await.unwrap();
         let schema = Arc::clone(
             &cluster.nodes[0]
                 .executor()
                 .catalog()
-                .table("lineitem")
+                .table(&lineitem.name)
                 .unwrap()
                 .schema,
         );
@@ -168,7 +167,7 @@ fn a_storage_node_refuses_a_deep_fragment_and_keeps_serving() {
         let slice = *cluster.nodes[0]
             .executor()
             .catalog()
-            .table("lineitem")
+            .table(&lineitem.name)
             .unwrap()
             .slices
             .keys()
@@ -190,7 +189,7 @@ fn a_storage_node_refuses_a_deep_fragment_and_keeps_serving() {
                 aggregate: None,
             }
             .encode_to_vec();
-            let ticket = FragmentEnvelope::new("lineitem", slice, body).encode_to_vec();
+            let ticket = FragmentEnvelope::new(&lineitem.name, slice, body).encode_to_vec();
             let status = match client.do_get(Ticket::new(ticket)).await {
                 Err(status) => status,
                 Ok(response) => {
@@ -215,9 +214,7 @@ fn a_storage_node_refuses_a_deep_fragment_and_keeps_serving() {
             );
         }
         // Still serving.
-        let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-            .await
-            .unwrap();
+        let session = cluster.session().await.unwrap();
         let rows = run(&session.context, "select count(*) from lineitem")
             .await
             .unwrap();

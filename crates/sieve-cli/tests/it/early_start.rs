@@ -9,7 +9,7 @@ use datafusion::physical_plan::{collect, ExecutionPlan};
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_cli::queries::TPCH_QUERIES;
-use sieve_compute::{connect_session, EarlyStartExec, SieveScanExec};
+use sieve_compute::{EarlyStartExec, SieveScanExec};
 
 use crate::common;
 use crate::plans;
@@ -17,21 +17,22 @@ use crate::plans;
 use common::NODES;
 use plans::{find_scans, metric, physical_plan};
 
+/// The SQL name of the table `scan` reads.
 fn table(scan: &Arc<dyn ExecutionPlan>) -> String {
-    scan.downcast_ref::<SieveScanExec>()
-        .expect("a SieveScanExec")
-        .table()
-        .name
-        .clone()
+    common::sql_name(
+        &scan
+            .downcast_ref::<SieveScanExec>()
+            .expect("a SieveScanExec")
+            .table()
+            .name,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_scans_start_with_the_query_and_answers_stay_plain_datafusions() {
     let root = common::small_slices(1);
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     let reference = reference_context(&root, NODES).await.unwrap();
     let (_, q16) = TPCH_QUERIES
         .iter()
@@ -46,7 +47,11 @@ async fn small_scans_start_with_the_query_and_answers_stay_plain_datafusions() {
     let root = physical
         .downcast_ref::<EarlyStartExec>()
         .expect("the root starts scans early");
-    let mut early = root.tables();
+    let mut early: Vec<String> = root
+        .tables()
+        .iter()
+        .map(|name| common::sql_name(name))
+        .collect();
     early.sort();
     assert_eq!(early, ["part", "supplier"]);
 
@@ -94,9 +99,7 @@ async fn small_scans_start_with_the_query_and_answers_stay_plain_datafusions() {
 async fn a_scan_started_early_but_never_read_is_dropped_with_the_query() {
     let root = common::small_slices(1);
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     // Without join filters orders starts early too; the build side
     // (customer, no row matches) is empty, so the join never reads orders.
     session
@@ -114,7 +117,9 @@ async fn a_scan_started_early_but_never_read_is_dropped_with_the_query() {
         .downcast_ref::<EarlyStartExec>()
         .expect("the root starts scans early");
     assert!(
-        root.tables().contains(&"orders".to_string()),
+        root.tables()
+            .iter()
+            .any(|name| common::sql_name(name) == "orders"),
         "{:?}",
         root.tables()
     );

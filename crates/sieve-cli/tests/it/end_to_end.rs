@@ -8,7 +8,7 @@ use datafusion::physical_plan::collect;
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_cli::queries::{is_ordered, TPCH_QUERIES};
-use sieve_compute::{connect_session, SieveScanExec, SieveSession};
+use sieve_compute::{SieveScanExec, SieveSession};
 
 use crate::common;
 use crate::plans;
@@ -25,9 +25,7 @@ async fn start() -> (PathBuf, EmbeddedCluster, SieveSession) {
     let cluster = EmbeddedCluster::start(&root, NODES)
         .await
         .expect("start storage nodes");
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .expect("connect");
+    let session = cluster.session().await.expect("connect");
     (root, cluster, session)
 }
 
@@ -158,7 +156,9 @@ async fn scan_metrics(
     find_scans(&plan, &mut scans);
     let scan = scans
         .into_iter()
-        .find(|scan| scan.downcast_ref::<SieveScanExec>().unwrap().table().name == table)
+        .find(|scan| {
+            common::sql_name(&scan.downcast_ref::<SieveScanExec>().unwrap().table().name) == table
+        })
         .expect("a scan of the table");
     (
         names.iter().map(|name| metric(&scan, name)).collect(),
@@ -230,7 +230,10 @@ async fn a_join_above_another_filters_the_scan_its_key_reaches() {
     find_scans(&plan, &mut scans);
     let lineitem = scans
         .into_iter()
-        .find(|scan| scan.downcast_ref::<SieveScanExec>().unwrap().table().name == "lineitem")
+        .find(|scan| {
+            common::sql_name(&scan.downcast_ref::<SieveScanExec>().unwrap().table().name)
+                == "lineitem"
+        })
         .expect("a lineitem scan");
     let shown = datafusion::physical_plan::displayable(lineitem.as_ref())
         .one_line()

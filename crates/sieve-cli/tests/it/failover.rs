@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_cli::queries::{is_ordered, TPCH_QUERIES};
-use sieve_compute::{connect_session, SieveSession};
+use sieve_compute::SieveSession;
 use sieve_storage::ExecuteOptions;
 
 use crate::common;
@@ -32,9 +32,7 @@ async fn start(root: &std::path::Path) -> (EmbeddedCluster, SieveSession) {
     )
     .await
     .unwrap();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     (cluster, session)
 }
 
@@ -63,7 +61,7 @@ async fn a_node_killed_mid_query_costs_a_retry_on_a_replica_not_the_answer() {
     let reference = reference_context(&root, NODES).await.unwrap();
     let (cluster, session) = start(&root).await;
     // Every slice of the cluster has a copy on two of the three nodes.
-    for table in session.catalog.tables.values() {
+    for table in common::planned_tables(&session).values() {
         for slice in &table.slices {
             assert_eq!(
                 slice.replicas.len(),

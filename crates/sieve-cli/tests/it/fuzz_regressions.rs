@@ -9,7 +9,6 @@ use arrow::datatypes::{DataType, Field, Schema};
 use arrow::record_batch::RecordBatch;
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context_for, rows_as_text, run};
-use sieve_compute::connect_session;
 use sieve_format::{node_directory, slice_path, write_slice, SliceLayout};
 
 const NODES: usize = 2;
@@ -87,9 +86,7 @@ async fn float_predicates_keep_nan_rows_that_statistics_leave_out() {
         "the reference counts every NaN"
     );
     for (cluster, mode) in [(&processed, "processed"), (&raw, "raw")] {
-        let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-            .await
-            .unwrap();
+        let session = cluster.session().await.unwrap();
         for ndp in [true, false] {
             session.set_ndp(ndp).unwrap();
             for sql in queries {
@@ -137,9 +134,7 @@ async fn a_filter_over_both_sides_of_a_self_join_stays_above_it() {
     write_slice(&path, &schema, &SliceLayout::default(), [Ok(batch)]).unwrap();
     let reference = reference_context_for(&root, 1, &["t"]).await.unwrap();
     let cluster = EmbeddedCluster::start(&root, 1).await.unwrap();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     // `a` never matches (NULL keys), so `concat(a.s, 'ó')` is 'ó'.
     let joined = "SELECT count(*) FROM t AS a RIGHT JOIN t AS b ON a.k = b.k \
                   WHERE b.s < concat(a.s, 'ó') AND b.id >= 0";

@@ -2,6 +2,8 @@
 //! of the right kind, and keeps serving afterwards.
 
 use std::path::PathBuf;
+
+use crate::common;
 use std::sync::Arc;
 
 use arrow_flight::flight_service_client::FlightServiceClient;
@@ -29,6 +31,11 @@ fn test_data() -> PathBuf {
         ..SliceLayout::default()
     };
     generated_tpch(&root, 0.01, 1, 1, &layout).expect("generate TPC-H")
+}
+
+/// How region (one slice) is stored on the node.
+fn region() -> common::Stored {
+    common::stored(&test_data(), "region")
 }
 
 /// A valid body: ship the first column of `schema`, no filter.
@@ -69,7 +76,7 @@ async fn fixture_with(options: sieve_storage::ExecuteOptions) -> Fixture {
         &cluster.nodes[0]
             .executor()
             .catalog()
-            .table("region")
+            .table(&region().name)
             .unwrap()
             .schema,
     );
@@ -109,7 +116,7 @@ fn valid_ticket(schema: &arrow::datatypes::Schema) -> Vec<u8> {
     }
     .encode_body(schema)
     .unwrap();
-    FragmentEnvelope::new("region", 1, body).encode_to_vec()
+    FragmentEnvelope::new(&region().name, region().slice(0), body).encode_to_vec()
 }
 
 /// Send `ticket` and check the node refuses it with `code` and a message
@@ -148,7 +155,7 @@ async fn malformed_fragment_is_refused() {
     )
     .await;
 
-    let mut envelope = FragmentEnvelope::new("region", 1, vec![1, 2, 3]);
+    let mut envelope = FragmentEnvelope::new(&region().name, region().slice(0), vec![1, 2, 3]);
     envelope.version = 99;
     assert_refused(
         &mut fixture,
@@ -160,7 +167,7 @@ async fn malformed_fragment_is_refused() {
 
     assert_refused(
         &mut fixture,
-        FragmentEnvelope::new("region", 1, vec![0xff; 7]).encode_to_vec(),
+        FragmentEnvelope::new(&region().name, region().slice(0), vec![0xff; 7]).encode_to_vec(),
         Code::InvalidArgument,
         "malformed NDP fragment body",
     )
@@ -201,7 +208,8 @@ async fn fragment_with_a_disallowed_function_is_refused() {
             serialize_physical_expr(&predicate, &DefaultPhysicalExtensionCodec {}).unwrap(),
         ),
     };
-    let ticket = FragmentEnvelope::new("region", 1, body.encode_to_vec()).encode_to_vec();
+    let ticket = FragmentEnvelope::new(&region().name, region().slice(0), body.encode_to_vec())
+        .encode_to_vec();
     assert_refused(
         &mut fixture,
         ticket,
@@ -232,9 +240,9 @@ async fn slice_outside_the_catalog_is_refused() {
     let body = first_column(&fixture.schema);
     assert_refused(
         &mut fixture,
-        FragmentEnvelope::new("region", 4242, body).encode_to_vec(),
+        FragmentEnvelope::new(&region().name, 4242, body).encode_to_vec(),
         Code::NotFound,
-        "slice 4242 of table 'region' is not held",
+        &format!("slice 4242 of table '{}' is not held", region().name),
     )
     .await;
 
@@ -247,7 +255,7 @@ async fn slice_outside_the_catalog_is_refused() {
     let body = first_column(&other);
     assert_refused(
         &mut fixture,
-        FragmentEnvelope::new("region", 1, body).encode_to_vec(),
+        FragmentEnvelope::new(&region().name, region().slice(0), body).encode_to_vec(),
         Code::InvalidArgument,
         "another schema",
     )
@@ -259,14 +267,18 @@ async fn slice_outside_the_catalog_is_refused() {
 async fn row_group_outside_the_slice_is_refused() {
     let mut fixture = fixture().await;
     let body = first_column(&fixture.schema);
-    let ticket = FragmentEnvelope::new("region", 1, body)
+    let ticket = FragmentEnvelope::new(&region().name, region().slice(0), body)
         .with_row_groups(vec![0, 4_000_000_000])
         .encode_to_vec();
     assert_refused(
         &mut fixture,
         ticket,
         Code::InvalidArgument,
-        "row group 4000000000 of slice 1 of region does not exist",
+        &format!(
+            "row group 4000000000 of slice {} of {} does not exist",
+            region().slice(0),
+            region().name
+        ),
     )
     .await;
     assert_still_serving(&mut fixture).await;
@@ -276,7 +288,7 @@ async fn row_group_outside_the_slice_is_refused() {
 async fn unknown_ipc_codec_is_refused_and_each_known_one_is_served() {
     let mut fixture = fixture().await;
     let body = first_column(&fixture.schema);
-    let mut envelope = FragmentEnvelope::new("region", 1, body);
+    let mut envelope = FragmentEnvelope::new(&region().name, region().slice(0), body);
     envelope.ipc_codec = 77;
     assert_refused(
         &mut fixture,
@@ -291,9 +303,13 @@ async fn unknown_ipc_codec_is_refused_and_each_known_one_is_served() {
         IpcCodec::Lz4,
         IpcCodec::Zstd,
     ] {
-        let ticket = FragmentEnvelope::new("region", 1, first_column(&fixture.schema))
-            .with_ipc_codec(codec)
-            .encode_to_vec();
+        let ticket = FragmentEnvelope::new(
+            &region().name,
+            region().slice(0),
+            first_column(&fixture.schema),
+        )
+        .with_ipc_codec(codec)
+        .encode_to_vec();
         assert!(
             status_of(&mut fixture.client, ticket).await.is_none(),
             "{codec:?} served"
@@ -313,24 +329,29 @@ async fn a_node_serving_raw_refuses_the_same_requests() {
     .await;
     assert_refused(
         &mut fixture,
-        FragmentEnvelope::new("region", 1, vec![0xff; 7]).encode_to_vec(),
+        FragmentEnvelope::new(&region().name, region().slice(0), vec![0xff; 7]).encode_to_vec(),
         Code::InvalidArgument,
         "malformed NDP fragment body",
     )
     .await;
     let body = first_column(&fixture.schema);
-    let ticket = FragmentEnvelope::new("region", 1, body)
+    let ticket = FragmentEnvelope::new(&region().name, region().slice(0), body)
         .with_row_groups(vec![0, 4_000_000_000])
         .encode_to_vec();
     assert_refused(
         &mut fixture,
         ticket,
         Code::InvalidArgument,
-        "row group 4000000000 of slice 1 of region does not exist",
+        &format!(
+            "row group 4000000000 of slice {} of {} does not exist",
+            region().slice(0),
+            region().name
+        ),
     )
     .await;
-    let ticket = FragmentEnvelope::new("region", 7, first_column(&fixture.schema)).encode_to_vec();
-    assert_refused(&mut fixture, ticket, Code::NotFound, "slice 7").await;
+    let ticket =
+        FragmentEnvelope::new(&region().name, 4243, first_column(&fixture.schema)).encode_to_vec();
+    assert_refused(&mut fixture, ticket, Code::NotFound, "slice 4243").await;
     assert_still_serving(&mut fixture).await;
 }
 
@@ -376,8 +397,9 @@ async fn byte_range_endpoint_names_the_file_version_and_refuses_what_it_does_not
     let address = node.range_address();
     let secret = fixture._cluster.secret();
     let catalog = node.executor().catalog();
-    let (_, slice) = catalog.slice("region", 1).unwrap();
-    let path = format!("/slices/region/{}", slice.summary.file);
+    let region = region();
+    let (_, slice) = catalog.slice(&region.name, region.slice(0)).unwrap();
+    let path = format!("/slices/{}/{}", region.name, slice.summary.file);
 
     // HTTP readers that cache (DuckDB's httpfs) validate with ETag and
     // Last-Modified; both are present, and stable from one request to the
@@ -429,10 +451,10 @@ async fn byte_range_endpoint_names_the_file_version_and_refuses_what_it_does_not
 
     // What the catalog does not name is not served, however it is spelled.
     for hostile in [
-        "/slices/region/..%2F..%2F_SUCCESS",
-        "/slices/region/../../_SUCCESS",
-        "/slices/nosuch/x.parquet",
-        "/slices/region/x.parquet",
+        format!("/slices/{}/..%2F..%2F_SUCCESS", region.name),
+        format!("/slices/{}/../../_SUCCESS", region.name),
+        "/slices/nosuch/x.parquet".to_string(),
+        format!("/slices/{}/x.parquet", region.name),
     ] {
         let (status, _) = http(address, secret, &format!("GET {hostile} HTTP/1.1"), "").await;
         assert!(status.starts_with("HTTP/1.1 404"), "{hostile}: {status}");
@@ -571,7 +593,8 @@ async fn hostile_slice_puts_are_refused_and_leave_nothing() {
     }
     .encode_body(&fixture.schema)
     .unwrap();
-    let envelope = FragmentEnvelope::new("region", 1, body).with_deleted(&[1, 2, 3, 4, 5]);
+    let envelope = FragmentEnvelope::new(&region().name, region().slice(0), body)
+        .with_deleted(&[1, 2, 3, 4, 5]);
     let status = match fixture
         .client
         .do_get(Ticket::new(envelope.encode_to_vec()))

@@ -10,8 +10,6 @@ use parquet::file::metadata::{PageIndexPolicy, ParquetMetaDataReader};
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_cli::queries::TPCH_QUERIES;
-use sieve_compute::connect_session;
-use sieve_format::{node_directory, slice_path};
 
 use crate::common;
 
@@ -32,40 +30,14 @@ fn queries() -> Vec<(&'static str, &'static str)> {
     chosen
 }
 
-/// A copy of the generated data set at `healthy`, to damage.
-fn copy_of(healthy: &Path, name: &str) -> PathBuf {
+/// A data set of its own, the same as the shared one with `replicas`
+/// copies (loading is deterministic), to damage. (The shared one's
+/// catalog is in use by other test processes, so it is not copied.)
+fn copy_of(replicas: usize, name: &str) -> PathBuf {
     let copy = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("integrity-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&copy);
-    copy_tree(healthy, &copy);
-    copy
-}
-
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_tree(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
-    }
-}
-
-/// The nodes holding a copy of lineitem slice `slice` under `root`.
-fn holders(root: &Path, slice: usize) -> Vec<usize> {
-    (0..NODES)
-        .filter(|&node| slice_path(&node_directory(root, node), "lineitem", slice).exists())
-        .collect()
-}
-
-/// Lineitem slice numbers under `root`.
-fn lineitem_slices(root: &Path) -> Vec<usize> {
-    (1..1000)
-        .take_while(|&slice| !holders(root, slice).is_empty())
-        .collect()
+    common::small_slices_in(&copy, replicas)
 }
 
 /// Flip one byte in the middle of the first `l_extendedprice` data page of
@@ -107,14 +79,14 @@ async fn reported(cluster: &EmbeddedCluster, key: &str) -> Vec<String> {
 async fn a_corrupt_page_costs_a_retry_on_a_healthy_replica_not_the_answer() {
     let healthy = common::small_slices(2);
     let reference = reference_context(&healthy, NODES).await.unwrap();
-    let root = copy_of(&healthy, "failover");
+    let root = copy_of(2, "failover");
+    let lineitem = common::stored(&root, "lineitem");
     // Damage one copy of every lineitem slice, alternating which, so that
     // whichever replica the compute node tries first, some are damaged.
     let mut damaged = Vec::new();
-    for slice in lineitem_slices(&root) {
-        let nodes = holders(&root, slice);
+    for (index, (slice, nodes)) in lineitem.slices.iter().enumerate() {
         assert_eq!(nodes.len(), 2, "slice {slice} on {nodes:?}");
-        let path = slice_path(&node_directory(&root, nodes[slice % 2]), "lineitem", slice);
+        let path = lineitem.path(&root, nodes[index % 2], *slice);
         flip_a_page_byte(&path);
         damaged.push(path.file_name().unwrap().to_string_lossy().into_owned());
     }
@@ -126,9 +98,7 @@ async fn a_corrupt_page_costs_a_retry_on_a_healthy_replica_not_the_answer() {
         } else {
             EmbeddedCluster::start(&root, NODES).await.unwrap()
         };
-        let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-            .await
-            .unwrap();
+        let session = cluster.session().await.unwrap();
         for (name, sql) in queries() {
             let expected = rows_as_text(&run(&reference, sql).await.unwrap(), true).unwrap();
             // Twice: the second time the damaged copies are refused at once.
@@ -184,15 +154,14 @@ async fn a_corrupt_page_costs_a_retry_on_a_healthy_replica_not_the_answer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_healthy_copy_the_query_fails_naming_the_slice() {
-    let healthy = common::small_slices(1);
-    let root = copy_of(&healthy, "single");
-    let node = holders(&root, 2)[0];
-    let path = slice_path(&node_directory(&root, node), "lineitem", 2);
+    let root = copy_of(1, "single");
+    let lineitem = common::stored(&root, "lineitem");
+    let (slice, nodes) = &lineitem.slices[1];
+    let path = lineitem.path(&root, nodes[0], *slice);
+    let file = path.file_name().unwrap().to_string_lossy().into_owned();
     flip_a_page_byte(&path);
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     let sql = "select sum(l_extendedprice) from lineitem";
     for round in 0..2 {
         let error = run(&session.context, sql)
@@ -200,15 +169,15 @@ async fn without_a_healthy_copy_the_query_fails_naming_the_slice() {
             .expect_err("no healthy copy: an error, not an answer")
             .to_string();
         assert!(
-            error.contains("slice 2 of table 'lineitem'")
-                && error.contains("lineitem-00002.parquet")
+            error.contains(&format!("slice {slice} of table '{}'", lineitem.name))
+                && error.contains(&file)
                 && error.contains("corrupt slice file"),
             "round {round}: {error}"
         );
     }
     assert_eq!(
         reported(&cluster, "corrupt_slices").await,
-        vec!["lineitem-00002.parquet".to_string()]
+        vec![file.clone()]
     );
     // A query that does not read the damaged page still answers.
     let other = run(&session.context, "select count(*) from orders").await;
@@ -221,7 +190,8 @@ async fn without_a_healthy_copy_the_query_fails_naming_the_slice() {
         .expect_err("NDP off: an error, not an answer")
         .to_string();
     assert!(
-        error.contains("corrupt slice file") && error.contains("lineitem/lineitem-00002.parquet"),
+        error.contains("corrupt slice file")
+            && error.contains(&format!("{}/{file}", lineitem.name)),
         "NDP off: {error}"
     );
     let _ = std::fs::remove_dir_all(&root);
@@ -231,9 +201,12 @@ async fn without_a_healthy_copy_the_query_fails_naming_the_slice() {
 async fn a_truncated_slice_file_at_startup_is_named_and_the_rest_served() {
     let healthy = common::small_slices(2);
     let reference = reference_context(&healthy, NODES).await.unwrap();
-    let root = copy_of(&healthy, "startup");
-    let node = holders(&root, 1)[0];
-    let path = slice_path(&node_directory(&root, node), "lineitem", 1);
+    let root = copy_of(2, "startup");
+    let lineitem = common::stored(&root, "lineitem");
+    let (slice, nodes) = &lineitem.slices[0];
+    let node = nodes[0];
+    let path = lineitem.path(&root, node, *slice);
+    let file = path.file_name().unwrap().to_string_lossy().into_owned();
     let length = std::fs::metadata(&path).unwrap().len();
     File::options()
         .write(true)
@@ -247,13 +220,11 @@ async fn a_truncated_slice_file_at_startup_is_named_and_the_rest_served() {
     let unreadable = reported(&cluster, "unreadable_slices").await;
     assert_eq!(unreadable.len(), 1, "{unreadable:?}");
     assert!(
-        unreadable[0].contains(&format!("node-{node}/lineitem/lineitem-00001.parquet")),
+        unreadable[0].contains(&format!("node-{node}/{}/{file}", lineitem.name)),
         "{unreadable:?}"
     );
-    // The other copy of slice 1 and every other slice are served.
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    // The other copy of that slice and every other slice are served.
+    let session = cluster.session().await.unwrap();
     for (name, sql) in queries() {
         let expected = rows_as_text(&run(&reference, sql).await.unwrap(), true).unwrap();
         let actual = run(&session.context, sql)

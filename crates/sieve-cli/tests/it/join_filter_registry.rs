@@ -14,12 +14,13 @@ use futures::StreamExt;
 use prost::Message;
 use sieve_cli::cluster::{generated_tpch, EmbeddedCluster};
 use sieve_cli::compare::{reference_context, rows_as_text, run};
-use sieve_compute::{connect_session, BearerAuth, SieveSession, StorageClient};
+use sieve_compute::{BearerAuth, SieveSession, StorageClient};
 use sieve_format::SliceLayout;
 use sieve_fragment::{
     Fragment, FragmentEnvelope, JoinFilterRegistration, SliceMetrics, REGISTER_JOIN_FILTER_ACTION,
 };
 
+use crate::common;
 use crate::slices;
 
 const NODES: usize = 3;
@@ -86,10 +87,8 @@ async fn join_filter_bytes_do_not_grow_with_slices_and_are_released() {
     for slice_rows in [15_100, 1_510] {
         let root = data(slice_rows);
         let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-        let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-            .await
-            .unwrap();
-        let slices = session.catalog.tables["lineitem"].slices.len();
+        let session = cluster.session().await.unwrap();
+        let slices = common::planned_tables(&session)["lineitem"].slices.len();
         let reference = reference_context(&root, NODES).await.unwrap();
         let expected = rows_as_text(&run(&reference, JOIN).await.unwrap(), false).unwrap();
         let found = measure(&session, JOIN).await;
@@ -156,10 +155,9 @@ async fn rows_and_trailer(
 async fn a_node_applies_a_registered_filter_and_runs_without_a_missing_one() {
     let root = data(1_510);
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
-    let table = Arc::clone(&session.catalog.tables["lineitem"]);
+    let session = cluster.session().await.unwrap();
+    let tables = common::planned_tables(&session);
+    let table = &tables["lineitem"];
     let slice = &table.slices[0];
     let url = cluster.urls()[slice.node].clone();
     let channel = tonic::transport::Endpoint::from_shared(url)
@@ -181,7 +179,7 @@ async fn a_node_applies_a_registered_filter_and_runs_without_a_missing_one() {
     }
     .encode_body(&table.schema)
     .unwrap();
-    let plain = FragmentEnvelope::new("lineitem", slice.summary.slice, body);
+    let plain = FragmentEnvelope::new(&table.name, slice.summary.slice, body);
     let (all_rows, metrics) = rows_and_trailer(&mut client, &plain).await;
     assert!(!metrics.join_filter_missing && all_rows > 1000);
 
@@ -192,7 +190,7 @@ async fn a_node_applies_a_registered_filter_and_runs_without_a_missing_one() {
         lit(1000i64),
     ));
     let (registration, id) =
-        JoinFilterRegistration::encode("lineitem", &table.schema, &filter).unwrap();
+        JoinFilterRegistration::encode(&table.name, &table.schema, &filter).unwrap();
     let answer = client
         .do_action(Action::new(
             REGISTER_JOIN_FILTER_ACTION,
@@ -218,7 +216,7 @@ async fn a_node_applies_a_registered_filter_and_runs_without_a_missing_one() {
     assert_eq!(rows, all_rows);
 
     // A filter registered for another table is refused when named.
-    let orders = &session.catalog.tables["orders"];
+    let orders = &tables["orders"];
     let orders_body = Fragment {
         projection: vec![0],
         predicate: None,
@@ -231,7 +229,7 @@ async fn a_node_applies_a_registered_filter_and_runs_without_a_missing_one() {
         .iter()
         .find(|candidate| candidate.node == slice.node)
         .expect("an orders slice on the same node");
-    let wrong_table = FragmentEnvelope::new("orders", orders_slice.summary.slice, orders_body)
+    let wrong_table = FragmentEnvelope::new(&orders.name, orders_slice.summary.slice, orders_body)
         .with_join_filter(&id);
     let mut other = client.clone();
     let status = match other.do_get(Ticket::new(wrong_table.encode_to_vec())).await {

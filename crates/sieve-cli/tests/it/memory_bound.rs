@@ -11,7 +11,7 @@ use datafusion::execution::memory_pool::MemoryLimit;
 use datafusion::physical_plan::{collect, ExecutionPlan};
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context, rows_as_text, run};
-use sieve_compute::{connect_session, SieveSession};
+use sieve_compute::SieveSession;
 
 use crate::common;
 
@@ -39,9 +39,7 @@ async fn run_counting_spills(session: &SieveSession, sql: &str) -> (Vec<String>,
 async fn under_a_small_pool_sorts_and_aggregations_spill_and_keep_their_answers() {
     let root = common::small_slices(1);
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     assert!(
         matches!(
             session.context.runtime_env().memory_pool.memory_limit(),
@@ -90,9 +88,7 @@ async fn under_a_small_pool_sorts_and_aggregations_spill_and_keep_their_answers(
 async fn a_build_side_past_the_pool_spills_and_one_that_cannot_be_split_is_a_clear_error() {
     let root = common::small_slices(1);
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     let reference = reference_context(&root, NODES).await.unwrap();
     // Build sides of about 20 MB: partitioned by key hash to disk and
     // joined part by part.

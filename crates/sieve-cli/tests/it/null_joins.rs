@@ -16,7 +16,7 @@ use arrow::record_batch::RecordBatch;
 use datafusion::prelude::SessionContext;
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context_for, rows_as_text, run};
-use sieve_compute::{connect_session, SieveSession, GRACE_FAN_OUT};
+use sieve_compute::{SieveSession, GRACE_FAN_OUT};
 use sieve_format::{copy_slice, node_directory, slice_path, write_slice, SliceLayout};
 
 const NODES: usize = 3;
@@ -194,9 +194,7 @@ async fn joins_over_null_keys_equal_plain_datafusion() {
         .await
         .unwrap();
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let session = cluster.session().await.unwrap();
     check(&session, &reference, "defaults").await;
 
     // The null-equal join's filter keeps the NULL probe rows, and says so.
@@ -227,9 +225,7 @@ async fn joins_over_null_keys_equal_plain_datafusion() {
     // Every partitioned join over its memory: each partition goes to disk
     // by key hash and is joined part by part (parts partitioned again where
     // still too large), with NDP on and off.
-    let spilling = connect_session(&cluster.urls(), Some(cluster.secret()))
-        .await
-        .unwrap();
+    let spilling = cluster.session().await.unwrap();
     spilling
         .apply_settings(&[
             "sieve.join_build_bytes_max=2048".into(),
@@ -287,9 +283,7 @@ async fn joins_over_null_keys_equal_plain_datafusion() {
 
     // Every slice raw: the compute node runs the same fragments.
     let raw = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();
-    let raw_session = connect_session(&raw.urls(), Some(raw.secret()))
-        .await
-        .unwrap();
+    let raw_session = raw.session().await.unwrap();
     check(&raw_session, &reference, "raw").await;
     let (raw_slices, served) = raw.slices_raw_and_served();
     assert!(served > 0 && raw_slices == served);

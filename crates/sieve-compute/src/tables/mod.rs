@@ -144,6 +144,10 @@ pub struct NodeHealth {
     pub nodes: Arc<Vec<crate::catalog::NodeState>>,
     /// [`crate::ClusterCatalog::epoch`].
     pub epoch: std::time::Instant,
+    /// Nodes that failed discovery ([`crate::ClusterCatalog::discovery_failures`]):
+    /// scans read no copy there while another copy is on a node that
+    /// answered, as a session over generated tables never knew of them.
+    pub unreachable: Vec<usize>,
 }
 
 /// Keeps one version of the owned tables readable while it lives.
@@ -351,7 +355,20 @@ impl OwnedTables {
             .slices
             .iter()
             .map(|slice| {
-                let node = slice.nodes.first().copied().unwrap_or(0);
+                let reachable: Vec<usize> = slice
+                    .nodes
+                    .iter()
+                    .copied()
+                    .filter(|node| !self.health.unreachable.contains(node))
+                    .collect();
+                // With no copy on a node that answered, the scan tries the
+                // others and fails naming the slice.
+                let replicas = if reachable.is_empty() {
+                    slice.nodes.clone()
+                } else {
+                    reachable
+                };
+                let node = replicas.first().copied().unwrap_or(0);
                 let base = self
                     .range_urls
                     .get(node)
@@ -362,7 +379,7 @@ impl OwnedTables {
                     summary: slice.summary.clone(),
                     node,
                     range_url: format!("{base}/slices/{storage_name}/{}", slice.summary.file),
-                    replicas: slice.nodes.clone(),
+                    replicas,
                     deleted: slice
                         .deleted
                         .as_ref()
@@ -403,10 +420,20 @@ impl OwnedTables {
         };
         let body = serde_json::to_vec(&sieve_format::writes::RetainSlices { tables: retained })
             .expect("lists of numbers are JSON");
-        let answers = futures::future::join_all(self.clients.iter().map(|client| {
-            client.slice_action(sieve_format::writes::RETAIN_SLICES_ACTION, body.clone())
-        }))
-        .await;
+        // A node that failed lately (discovery) is told at the next open.
+        let answers =
+            futures::future::join_all(self.clients.iter().enumerate().map(|(node, client)| {
+                let body = body.clone();
+                async move {
+                    if self.write_suspect(node) {
+                        return Err(datafusion::common::exec_datafusion_err!("it failed lately"));
+                    }
+                    client
+                        .slice_action(sieve_format::writes::RETAIN_SLICES_ACTION, body)
+                        .await
+                }
+            }))
+            .await;
         for (client, answer) in self.clients.iter().zip(answers) {
             match answer {
                 Ok(0) => {}
@@ -450,6 +477,11 @@ impl OwnedTables {
             let Some(client) = self.clients.get(node) else {
                 continue;
             };
+            // A node that failed lately keeps its copies until a later purge.
+            if self.write_suspect(node) {
+                failed.extend(slices);
+                continue;
+            }
             let body = serde_json::to_vec(&sieve_format::writes::RemoveSlices {
                 table,
                 slices: slices.clone(),
@@ -492,7 +524,9 @@ impl OwnedTables {
     /// failed went to another.
     pub(crate) async fn abandon(&self, storage_name: &str, written: &[(u32, Vec<usize>)]) {
         for (slice, _) in written {
-            for node in 0..self.clients.len() {
+            // A node that failed lately is not waited for: the next
+            // catalog open tells it which slices to keep.
+            for node in (0..self.clients.len()).filter(|&node| !self.write_suspect(node)) {
                 let body = serde_json::to_vec(&sieve_format::writes::RemoveSlices {
                     table: storage_name.to_string(),
                     slices: vec![*slice],

@@ -11,9 +11,9 @@ pub(crate) const NODES: usize = 3;
 
 /// TPC-H SF 0.01 in small slices (5,000 rows) and row groups (1,024 rows),
 /// so every table spans several slices and nodes and tables of few slices
-/// are read in row-group ranges; each slice on `replicas` nodes. Generated
+/// are read in row-group ranges; each slice on `replicas` nodes. Loaded
 /// once per build into the target directory; concurrent test processes each
-/// generate into their own directory and rename it into place.
+/// load into their own directory and rename it into place.
 pub(crate) fn small_slices(replicas: usize) -> PathBuf {
     let suffix = if replicas > 1 {
         format!("-r{replicas}")
@@ -24,12 +24,17 @@ pub(crate) fn small_slices(replicas: usize) -> PathBuf {
         "tpch-sf0.01-slices5000-rg1024{suffix}-v{}",
         sieve_format::FORMAT_VERSION
     ));
+    small_slices_in(&root, replicas)
+}
+
+/// The data set of [`small_slices`], loaded into `root` if it is not there.
+pub(crate) fn small_slices_in(root: &Path, replicas: usize) -> PathBuf {
     let layout = SliceLayout {
         slice_rows_max: 5000,
         row_group_rows_max: 1024,
         ..SliceLayout::default()
     };
-    generated_tpch(&root, 0.01, NODES, replicas, &layout).expect("generate TPC-H")
+    generated_tpch(root, 0.01, NODES, replicas, &layout).expect("load TPC-H")
 }
 
 /// A small random source for randomised tests, with its seed from
@@ -113,4 +118,99 @@ pub(crate) fn stray_slice_file(
         }
     }
     None
+}
+
+/// How table `table` of the data set at `root` is stored: its name on the
+/// storage nodes (`name@id`, as the write path names it) and its slices,
+/// by number, each with the nodes holding a copy (read from the node
+/// directories).
+pub(crate) struct Stored {
+    pub(crate) name: String,
+    pub(crate) slices: Vec<(u32, Vec<usize>)>,
+}
+
+impl Stored {
+    /// The number of the `index`th slice, in slice order.
+    pub(crate) fn slice(&self, index: usize) -> u32 {
+        self.slices[index].0
+    }
+
+    /// The file of slice `slice` on node `node` of the data set at `root`.
+    pub(crate) fn path(&self, root: &Path, node: usize, slice: u32) -> PathBuf {
+        sieve_format::node_directory(root, node)
+            .join(&self.name)
+            .join(sieve_format::slice_file_name(&self.name, slice))
+    }
+}
+
+pub(crate) fn stored(root: &Path, table: &str) -> Stored {
+    let prefix = format!("{table}@");
+    let mut name = None;
+    let mut slices: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+    for node in 0.. {
+        let directory = sieve_format::node_directory(root, node);
+        if !directory.is_dir() {
+            break;
+        }
+        for entry in std::fs::read_dir(&directory).unwrap() {
+            let entry = entry.unwrap().file_name().to_string_lossy().into_owned();
+            if !entry.starts_with(&prefix) {
+                continue;
+            }
+            assert!(
+                name.as_ref().is_none_or(|name| *name == entry),
+                "{table} is stored under two names"
+            );
+            for file in std::fs::read_dir(directory.join(&entry)).unwrap() {
+                let file = file.unwrap().file_name().to_string_lossy().into_owned();
+                let number: Option<u32> = file
+                    .strip_prefix(&format!("{entry}-"))
+                    .and_then(|rest| rest.strip_suffix(".parquet"))
+                    .and_then(|number| number.parse().ok());
+                if let Some(number) = number {
+                    slices.entry(number).or_default().push(node);
+                }
+            }
+            name = Some(entry);
+        }
+    }
+    Stored {
+        name: name.unwrap_or_else(|| panic!("no table {table} under {}", root.display())),
+        slices: slices.into_iter().collect(),
+    }
+}
+
+/// The SQL name of a table named `name` on the storage nodes (`name@id`
+/// for a table of a catalog, the name itself otherwise).
+pub(crate) fn sql_name(name: &str) -> String {
+    sieve_format::writes::parse_storage_name(name)
+        .map_or(name, |(sql, _)| sql)
+        .to_string()
+}
+
+/// Every table of `session` as a scan plans it now: the discovered ones and
+/// those of its table catalog at the latest version (the slices' replicas
+/// as the scan would try them).
+pub(crate) fn planned_tables(
+    session: &sieve_compute::SieveSession,
+) -> BTreeMap<String, sieve_compute::ClusterTable> {
+    let mut tables: BTreeMap<String, sieve_compute::ClusterTable> = session
+        .catalog
+        .tables
+        .iter()
+        .map(|(name, table)| (name.clone(), (**table).clone()))
+        .collect();
+    if let Some(owned) = &session.catalog.owned {
+        let pin = owned.pin_latest().unwrap();
+        for name in owned.store().tables_at(pin.version()).unwrap().into_keys() {
+            let snapshot = owned
+                .store()
+                .snapshot(&name, pin.version())
+                .unwrap()
+                .unwrap();
+            tables.insert(name, owned.cluster_table(&snapshot, &pin));
+        }
+    }
+    assert!(!tables.is_empty(), "the session has no table");
+    tables
 }

@@ -104,6 +104,8 @@ pub(crate) fn serve_command(cluster: &EmbeddedCluster, extra: &[&str]) -> Comman
         .arg("serve")
         .arg("--cluster")
         .arg(cluster.urls().join(","))
+        .arg("--catalog")
+        .arg(cluster.catalog_path())
         .args(["--listen", "127.0.0.1:0", "--flight-listen", "127.0.0.1:0"])
         .args(extra)
         .env("SIEVE_SECRET", cluster.secret().expose())
