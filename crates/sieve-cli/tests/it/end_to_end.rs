@@ -238,8 +238,11 @@ async fn a_join_above_another_filters_the_scan_its_key_reaches() {
     let shown = datafusion::physical_plan::displayable(lineitem.as_ref())
         .one_line()
         .to_string();
+    let supplier = common::stored(&root, "supplier").name;
     assert!(
-        shown.contains("join filter from supplier (through joins below it): range"),
+        shown.contains(&format!(
+            "join filter from {supplier} (through joins below it): range"
+        )),
         "{shown}"
     );
     let with: Vec<usize> = names.iter().map(|name| metric(&lineitem, name)).collect();
