@@ -20,7 +20,7 @@ DATA=${SIEVE_DATA:-sieve-data}/tpch-sf$SF
 cargo build --release --workspace --bins
 SIEVE=${CARGO_TARGET_DIR:-target}/release/sieve
 
-if ! grep -q '"format_version": 2' "$DATA/_SUCCESS" 2>/dev/null; then
+if ! grep -q '"format_version": 5' "$DATA/_SUCCESS" 2>/dev/null; then
   rm -rf "$DATA"
   "$SIEVE" gen tpch --sf "$SF" --out "$DATA" --nodes 3
 fi
@@ -43,4 +43,4 @@ for node in 0 1 2; do
     sleep 0.1
   done
 done
-"$SIEVE" demo --sf "$SF" --runs "$RUNS" --cluster "$(IFS=,; echo "${urls[*]}")" "$@"
+"$SIEVE" demo --sf "$SF" --runs "$RUNS" --cluster "$(IFS=,; echo "${urls[*]}")" --catalog "$DATA/catalog.sqlite" "$@"

@@ -73,7 +73,9 @@ pub async fn reference_context_for(
             Some(store) => store.snapshot(table, store.latest_version()?)?,
             None => None,
         };
+        let mut catalog_schema = None;
         if let Some(snapshot) = snapshot {
+            catalog_schema = Some(Arc::clone(&snapshot.table.schema));
             let storage_name = snapshot.table.storage_name();
             for slice in &snapshot.slices {
                 if slice.deleted_rows > 0 {
@@ -89,7 +91,7 @@ pub async fn reference_context_for(
                 files.insert(Some(name.into()), path);
             }
         }
-        let from_catalog = !files.is_empty();
+        let from_catalog = catalog_schema.is_some();
         for node in (0..nodes).filter(|_| !from_catalog) {
             let directory = node_directory(root, node).join(table);
             if !directory.is_dir() {
@@ -120,7 +122,8 @@ pub async fn reference_context_for(
                 .collect::<Result<Vec<RecordBatch>>>()?;
             partitions.push(batches);
         }
-        let Some(schema) = schema else {
+        // A table of the catalog with no slice (no rows) has its schema.
+        let Some(schema) = schema.or(catalog_schema) else {
             return plan_err!("table {table} has no slice under {}", root.display());
         };
         context.register_table(table, Arc::new(MemTable::try_new(schema, partitions)?))?;

@@ -59,7 +59,7 @@ use std::time::{Duration, Instant};
 use arrow::record_batch::RecordBatch;
 use datafusion::common::{plan_err, DataFusionError, Result};
 use datafusion::prelude::SessionContext;
-use sieve_compute::{connect_session, SieveSession};
+use sieve_compute::{connect_session_with_tables, SieveSession};
 
 use crate::cluster::EmbeddedCluster;
 use crate::compare::{reference_context_for, rows_as_text};
@@ -294,6 +294,10 @@ pub struct FuzzReport {
     pub mismatches: Vec<Mismatch>,
     /// Wall time of the whole run.
     pub elapsed: Duration,
+    /// Schemas whose tables were loaded through the write path (a table
+    /// catalog's), of all schemas run; the others were slice files placed
+    /// in the node directories.
+    pub schemas_through_catalog: (usize, usize),
 }
 
 impl FuzzReport {
@@ -315,6 +319,11 @@ impl FuzzReport {
             .map(|(shape, count)| format!("{shape:?} {count}"))
             .collect();
         let _ = writeln!(text, "by shape: {}", shapes.join(", "));
+        let _ = writeln!(
+            text,
+            "{} of {} schema(s) loaded through the write path",
+            self.schemas_through_catalog.0, self.schemas_through_catalog.1
+        );
         let modes: Vec<String> = self
             .comparisons_by_mode
             .iter()
@@ -396,10 +405,17 @@ async fn start_engines(root: &Path, modes: &[Mode]) -> Result<Engines> {
     }
     let mut sessions = Vec::with_capacity(modes.len());
     for &mode in modes {
-        let session = match (mode, &raw_urls) {
-            (Mode::Raw, Some((urls, secret))) => connect_session(urls, Some(secret)).await?,
-            _ => connect_session(&default_urls, Some(&default_secret)).await?,
+        let (urls, secret) = match (mode, &raw_urls) {
+            (Mode::Raw, Some((urls, secret))) => (urls, secret),
+            _ => (&default_urls, &default_secret),
         };
+        let session = connect_session_with_tables(
+            urls,
+            Some(secret),
+            datafusion::prelude::SessionConfig::new(),
+            Some(&root.join(sieve_format::TABLE_CATALOG_FILE)),
+        )
+        .await?;
         match mode {
             Mode::NoJoinFilters => session.apply_settings(&["sieve.join_filters=false".into()])?,
             Mode::NoAggregatePushdown => {
@@ -427,12 +443,38 @@ async fn run_schema(
 ) -> Result<()> {
     let started = Instant::now();
     let schema = FuzzSchema::generate(schema_seed)?;
-    schema.write(root)?;
+    // Every other schema through the write path (a table catalog's
+    // tables), the others as slice files placed in the node directories.
+    let through_catalog = schema_seed % 2 == 0;
+    report.schemas_through_catalog.1 += 1;
+    if through_catalog {
+        report.schemas_through_catalog.0 += 1;
+    }
+    if through_catalog {
+        for node in 0..NODES {
+            std::fs::create_dir_all(sieve_format::node_directory(root, node))?;
+        }
+        let loader = EmbeddedCluster::start(root, NODES).await?;
+        schema.load(&loader.session().await?).await?;
+        for node in loader.nodes {
+            node.stop().await;
+        }
+    } else {
+        schema.write(root)?;
+    }
     let engines = start_engines(root, &options.modes).await?;
     let reference = reference_context_for(root, NODES, &schema.table_names()).await?;
     let mismatches_before = report.mismatches.len();
     let plan_failures_before = report.reference_plan_failures;
-    let tables = schema.describe();
+    let tables = format!(
+        "{}  loaded {}\n",
+        schema.describe(),
+        if through_catalog {
+            "through the write path (a table catalog)"
+        } else {
+            "as slice files in the node directories"
+        }
+    );
     for query_index in 0..options.queries_per_schema {
         if options.only_query.is_some_and(|only| only != query_index) {
             continue;

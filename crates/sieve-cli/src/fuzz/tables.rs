@@ -202,6 +202,57 @@ impl FuzzSchema {
         Ok(())
     }
 
+    /// Load every table through the write path of `session`'s table
+    /// catalog, as a user's `CREATE TABLE` and `INSERT` do: the same
+    /// slices (an empty one is none), each sent to two nodes and committed
+    /// with the table, in one version per table.
+    pub async fn load(&self, session: &sieve_compute::SieveSession) -> Result<()> {
+        use sieve_compute::tables::{Change, TableLayout, TableWriter};
+        let Some(owned) = &session.catalog.owned else {
+            return Err(DataFusionError::Plan(
+                "loading fuzz tables needs a session with a table catalog".to_string(),
+            ));
+        };
+        for table in &self.tables {
+            let spec = &table.spec;
+            let layout = TableLayout {
+                sort_key: vec![],
+                replicas: 2.min(NODES),
+                slice_rows: spec.slice_rows.iter().copied().max().unwrap_or(1).max(1) as u64,
+                row_group_rows: spec.layout.row_group_rows_max as u64,
+                page_rows: spec.layout.data_page_rows_max as u64,
+            };
+            let statement = format!("fuzz: load {}", spec.name);
+            let (entry, _) = owned.store().create_table(
+                &spec.name,
+                &table.batch.schema(),
+                &layout,
+                false,
+                &statement,
+            )?;
+            let mut writer = TableWriter::new(Arc::clone(owned), entry);
+            let mut offset = 0;
+            for &rows in &spec.slice_rows {
+                let written = async {
+                    writer.write(table.batch.slice(offset, rows)).await?;
+                    writer.end_slice().await
+                }
+                .await;
+                offset += rows;
+                if let Err(error) = written {
+                    writer.abandon().await;
+                    return Err(error);
+                }
+            }
+            let change = Change {
+                publish: true,
+                ..Change::default()
+            };
+            writer.commit(change, &statement).await?;
+        }
+        Ok(())
+    }
+
     /// The tables' parameters, one line per column: what a reproduction
     /// needs besides the seed.
     pub fn describe(&self) -> String {

@@ -34,6 +34,13 @@ async fn sieve_agrees_with_plain_datafusion_on_random_queries() {
         "more than 5% of the generated queries fail to plan in plain DataFusion:\n{}",
         report.summary()
     );
+    // Both ways data enters a node are fuzzed: the write path and slice
+    // files placed by hand.
+    let (through_catalog, schemas) = report.schemas_through_catalog;
+    assert!(
+        through_catalog > 0 && through_catalog < schemas,
+        "{through_catalog} of {schemas} schemas through the write path"
+    );
     let reproductions: Vec<String> = report.mismatches.iter().map(ToString::to_string).collect();
     assert!(
         report.mismatches.is_empty(),
