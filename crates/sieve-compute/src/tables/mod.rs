@@ -48,7 +48,7 @@ pub use store::{
     Change, Deletion, SliceEntry, Snapshot, TableEntry, TableLayout, TableStore, WrittenSlice,
     HEARTBEAT_MS, PAGE_ROWS_DEFAULT, PROCESS_LEASE_MS, ROW_GROUP_ROWS_DEFAULT, SLICE_ROWS_DEFAULT,
 };
-pub use writer::{TableWriter, SLICE_BUFFER_BYTES_MAX};
+pub use writer::{TableWriter, SLICES_ENCODING_MAX, SLICE_BUFFER_BYTES_MAX};
 
 use crate::catalog::{table_statistics, ClusterSlice};
 use crate::{ClusterTable, StorageClient};

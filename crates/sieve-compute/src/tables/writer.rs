@@ -5,9 +5,10 @@
 //! memory, whichever comes first), sorts the slice by the table's sort key,
 //! writes it as a Parquet slice file in a staging directory (the layout
 //! `sieve gen` writes: page index, page statistics, Bloom filters, distinct
-//! counts, page checksums) and sends it to R storage nodes. Encoding and
-//! sending one slice runs on another thread while the next slice's rows
-//! are read, so a load uses both cores; at most two slices are in memory.
+//! counts, page checksums) and sends it to R storage nodes. Up to
+//! [`SLICES_ENCODING_MAX`] slices are encoded and sent on other threads
+//! while the next slice's rows are read, so a load uses every core; at
+//! most that many slices and the one filling are in memory.
 //! Nothing is visible until [`TableWriter::commit`]; a writer dropped or
 //! [`TableWriter::abandon`]ed leaves no slice behind that a version names.
 
@@ -16,6 +17,7 @@ use std::sync::Arc;
 use arrow::array::RecordBatch;
 use arrow::compute::{concat_batches, lexsort_to_indices, take_record_batch, SortColumn};
 use arrow::datatypes::SchemaRef;
+use arrow::row::{OwnedRow, RowConverter, SortField};
 use datafusion::common::{exec_err, DataFusionError, Result};
 use parquet::schema::types::ColumnPath;
 use tokio::task::JoinHandle;
@@ -25,6 +27,10 @@ use super::{Change, OwnedTables, TableEntry, WrittenSlice};
 /// Arrow memory one slice may hold before it is written, whatever its rows.
 pub const SLICE_BUFFER_BYTES_MAX: usize = 128 * 1024 * 1024;
 
+/// Slices of one writer encoded and sent at once, while the next is read:
+/// a load's memory is bounded by this many slices plus the one filling.
+pub const SLICES_ENCODING_MAX: usize = 2;
+
 /// Writes one statement's rows into new slices of one table.
 pub struct TableWriter {
     tables: Arc<OwnedTables>,
@@ -33,8 +39,9 @@ pub struct TableWriter {
     buffer: Vec<RecordBatch>,
     buffered_rows: usize,
     buffered_bytes: usize,
-    /// The slice being encoded and sent.
-    pending: Option<JoinHandle<Result<WrittenSlice>>>,
+    /// The slices being encoded and sent, oldest first (at most
+    /// [`SLICES_ENCODING_MAX`]).
+    pending: std::collections::VecDeque<JoinHandle<Result<WrittenSlice>>>,
     written: Vec<WrittenSlice>,
     /// Reserved slices, with their nodes, whether or not they were sent.
     reserved: Vec<(u32, Vec<usize>)>,
@@ -67,7 +74,7 @@ impl TableWriter {
             buffer: Vec::new(),
             buffered_rows: 0,
             buffered_bytes: 0,
-            pending: None,
+            pending: std::collections::VecDeque::new(),
             written: Vec::new(),
             reserved: Vec::new(),
             rows: 0,
@@ -141,7 +148,9 @@ impl TableWriter {
         if self.buffered_rows == 0 {
             return Ok(());
         }
-        self.wait_pending().await?;
+        while self.pending.len() >= SLICES_ENCODING_MAX {
+            self.wait_oldest().await?;
+        }
         let batches = std::mem::take(&mut self.buffer);
         self.buffered_rows = 0;
         self.buffered_bytes = 0;
@@ -151,18 +160,25 @@ impl TableWriter {
         let tables = Arc::clone(&self.tables);
         let table = self.table.clone();
         let schema = Arc::clone(&self.schema);
-        self.pending = Some(tokio::spawn(async move {
+        self.pending.push_back(tokio::spawn(async move {
             write_slice(tables, table, schema, batches, slice, nodes).await
         }));
         Ok(())
     }
 
-    async fn wait_pending(&mut self) -> Result<()> {
-        if let Some(pending) = self.pending.take() {
+    async fn wait_oldest(&mut self) -> Result<()> {
+        if let Some(pending) = self.pending.pop_front() {
             let written = pending
                 .await
                 .map_err(|error| DataFusionError::External(Box::new(error)))??;
             self.written.push(written);
+        }
+        Ok(())
+    }
+
+    async fn wait_pending(&mut self) -> Result<()> {
+        while !self.pending.is_empty() {
+            self.wait_oldest().await?;
         }
         Ok(())
     }
@@ -220,7 +236,7 @@ impl TableWriter {
 
     /// Give up: remove the slices written so far from their nodes.
     pub async fn abandon(mut self) {
-        if let Some(pending) = self.pending.take() {
+        for pending in std::mem::take(&mut self.pending) {
             let _ = pending.await;
         }
         self.finished = true;
@@ -241,10 +257,10 @@ impl Drop for TableWriter {
         let tables = Arc::clone(&self.tables);
         let storage_name = self.table.storage_name();
         let reserved = std::mem::take(&mut self.reserved);
-        let pending = self.pending.take();
+        let pending = std::mem::take(&mut self.pending);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
-                if let Some(pending) = pending {
+                for pending in pending {
                     let _ = pending.await;
                 }
                 tables.abandon(&storage_name, &reserved).await;
@@ -269,9 +285,15 @@ async fn write_slice(
         let path = path.clone();
         let table = table.clone();
         tokio::task::spawn_blocking(move || -> Result<()> {
-            let batch = concat_batches(&schema, &batches)?;
-            drop(batches);
-            let batch = sort_by_key(&batch, &table.layout.sort_key)?;
+            // Rows that arrive in the key's order (a load of sorted data,
+            // `sieve gen`'s) are written as they are: no copy, no sort.
+            let batches = if in_key_order(&batches, &table.layout.sort_key)? {
+                batches
+            } else {
+                let batch = concat_batches(&schema, &batches)?;
+                drop(batches);
+                vec![sort_by_key(&batch, &table.layout.sort_key)?]
+            };
             let layout = table.layout.slice_layout();
             let mut properties = layout.writer_properties(&schema).into_builder();
             for column in &table.layout.sort_key {
@@ -285,7 +307,7 @@ async fn write_slice(
                 &schema,
                 properties.build(),
                 None,
-                [Ok(batch)],
+                batches.into_iter().map(Ok),
             )
             .map_err(|error| DataFusionError::Execution(format!("writing a slice: {error}")))?;
             Ok(())
@@ -363,6 +385,44 @@ async fn send(
     Ok((summary, holding))
 }
 
+/// Whether the rows of `batches`, in order, are sorted by the columns `key`
+/// as [`sort_by_key`] sorts (ascending, NULLs first); with no key, yes.
+fn in_key_order(batches: &[RecordBatch], key: &[String]) -> Result<bool> {
+    let Some(first) = batches.first() else {
+        return Ok(true);
+    };
+    if key.is_empty() {
+        return Ok(true);
+    }
+    let schema = first.schema();
+    let indices = key
+        .iter()
+        .map(|name| schema.index_of(name))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let converter = RowConverter::new(
+        indices
+            .iter()
+            .map(|&index| SortField::new(schema.field(index).data_type().clone()))
+            .collect(),
+    )?;
+    let mut last: Option<OwnedRow> = None;
+    for batch in batches.iter().filter(|batch| batch.num_rows() > 0) {
+        let columns: Vec<_> = indices
+            .iter()
+            .map(|&index| Arc::clone(batch.column(index)))
+            .collect();
+        let rows = converter.convert_columns(&columns)?;
+        if last.as_ref().is_some_and(|last| last.row() > rows.row(0)) {
+            return Ok(false);
+        }
+        if (1..rows.num_rows()).any(|at| rows.row(at - 1) > rows.row(at)) {
+            return Ok(false);
+        }
+        last = Some(rows.row(rows.num_rows() - 1).owned());
+    }
+    Ok(true)
+}
+
 /// `batch` sorted by the columns `key` (ascending, NULLs first), or as it is.
 fn sort_by_key(batch: &RecordBatch, key: &[String]) -> Result<RecordBatch> {
     if key.is_empty() || batch.num_rows() < 2 {
@@ -380,4 +440,54 @@ fn sort_by_key(batch: &RecordBatch, key: &[String]) -> Result<RecordBatch> {
         .collect::<Result<Vec<_>>>()?;
     let indices = lexsort_to_indices(&columns, None)?;
     Ok(take_record_batch(batch, &indices)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Int64Array, StringArray};
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    fn batch(keys: &[Option<i64>], names: &[&str]) -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Int64, true),
+            Field::new("s", DataType::Utf8, false),
+        ]));
+        RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(Int64Array::from(keys.to_vec())),
+                Arc::new(StringArray::from(names.to_vec())),
+            ],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn rows_in_key_order_are_told_from_rows_that_need_a_sort() {
+        let key = vec!["k".to_string()];
+        let sorted = [
+            batch(&[None, Some(1), Some(1)], &["a", "b", "c"]),
+            batch(&[], &[]),
+            batch(&[Some(1), Some(5)], &["a", "b"]),
+        ];
+        assert!(in_key_order(&sorted, &key).unwrap());
+        // NULLs sort first, as sort_by_key puts them.
+        let null_late = [batch(&[Some(1), None], &["a", "b"])];
+        assert!(!in_key_order(&null_late, &key).unwrap());
+        // Out of order across a batch boundary, and within a batch.
+        let across = [
+            batch(&[Some(1), Some(7)], &["a", "b"]),
+            batch(&[Some(6)], &["c"]),
+        ];
+        assert!(!in_key_order(&across, &key).unwrap());
+        let within = [batch(&[Some(2), Some(1)], &["a", "b"])];
+        assert!(!in_key_order(&within, &key).unwrap());
+        // Two columns: the second breaks ties.
+        let both = vec!["k".to_string(), "s".to_string()];
+        assert!(in_key_order(&[batch(&[Some(1), Some(1)], &["a", "b"])], &both).unwrap());
+        assert!(!in_key_order(&[batch(&[Some(1), Some(1)], &["b", "a"])], &both).unwrap());
+        // No key: rows stay in arrival order.
+        assert!(in_key_order(&within, &[]).unwrap());
+    }
 }
