@@ -189,6 +189,12 @@ pub fn load_tpch(
     if scale_factor.is_nan() || scale_factor <= 0.0 {
         return plan_err!("scale factor must be positive, got {scale_factor}");
     }
+    if root.join(TABLE_CATALOG_FILE).exists() {
+        return plan_err!(
+            "{} already holds a data set ({TABLE_CATALOG_FILE}): load into a new directory",
+            root.display()
+        );
+    }
     let _ = std::fs::remove_file(root.join(LOAD_COMPLETE_MARKER));
     for node in 0..nodes {
         std::fs::create_dir_all(node_directory(root, node))?;

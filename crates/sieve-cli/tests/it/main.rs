@@ -25,6 +25,7 @@ mod failover;
 mod full_disk;
 mod fuzz;
 mod fuzz_regressions;
+mod gen;
 mod hostile_requests;
 mod integrity;
 mod join_filter_registry;
