@@ -445,7 +445,7 @@ async fn run_schema(
     let schema = FuzzSchema::generate(schema_seed)?;
     // Every other schema through the write path (a table catalog's
     // tables), the others as slice files placed in the node directories.
-    let through_catalog = schema_seed % 2 == 0;
+    let through_catalog = schema_seed.is_multiple_of(2);
     report.schemas_through_catalog.1 += 1;
     if through_catalog {
         report.schemas_through_catalog.0 += 1;
