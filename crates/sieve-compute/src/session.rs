@@ -228,7 +228,12 @@ pub fn session_over(
         .with_physical_optimizer_rule(Arc::new(StartScansEarly))
         .build();
     let context = SessionContext::new_with_state(state);
-    context.register_udtf("tpch", Arc::new(crate::tables::tpch::TpchFunction));
+    for benchmark in sieve_format::Benchmark::ALL {
+        context.register_udtf(
+            benchmark.name(),
+            Arc::new(crate::tables::generated::GeneratorFunction(benchmark)),
+        );
+    }
     // A node that holds no slice (or failed discovery) is never routed to;
     // its place holds an address nothing listens on.
     let range_urls: Vec<String> = catalog

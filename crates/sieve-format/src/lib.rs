@@ -24,12 +24,15 @@
 //! This crate does no networking and knows nothing of queries.
 #![deny(missing_docs)]
 
+mod benchmark;
 mod catalog;
 mod checksum;
 mod layout;
+pub mod ssb;
 mod tpch;
 pub mod writes;
 
+pub use benchmark::{Benchmark, GeneratedTable};
 pub use catalog::{ColumnSummary, SliceSummary, TableSummary};
 pub use checksum::{
     add_page_checksums, find_page_corruption, page_ranges, PageChecksums, PageCorruption,
@@ -39,6 +42,7 @@ pub use layout::{
     copy_slice, slice_file_name, write_slice, write_slice_with_properties, write_table_slice,
     SliceLayout, DISTINCT_COUNTS_KEY, TABLE_SLICES_KEY,
 };
+pub use ssb::{SsbTable, SSB_TABLES};
 pub use tpch::{is_generated, slice_path, TpchTable, TPCH_TABLES};
 
 /// Version of the on-disk layout. A load written by another version is not

@@ -23,12 +23,12 @@
 
 mod compact;
 mod delete;
+pub mod generated;
 mod one_version;
 mod provider;
 mod schema;
 pub mod statements;
 mod store;
-pub mod tpch;
 mod writer;
 
 use std::collections::BTreeMap;

@@ -1,14 +1,18 @@
-//! `tpch(table, scale_factor)`: TPC-H rows as a table function.
+//! `tpch(table, scale_factor)` and `ssb(table, scale_factor)`: the rows of
+//! TPC-H and of the Star Schema Benchmark as table functions.
 //!
 //! ```sql
 //! SELECT count(*) FROM tpch('nation', 1);
 //! CREATE TABLE lineitem WITH (sort_key = 'l_orderkey') AS
 //!     SELECT * FROM tpch('lineitem', 10);
+//! CREATE TABLE lineorder WITH (sort_key = 'lo_orderkey') AS
+//!     SELECT * FROM ssb('lineorder', 1);
 //! ```
 //!
-//! The rows are dbgen's (`tpchgen`), generated on a thread of their own as
+//! TPC-H's rows are dbgen's (`tpchgen`); SSB's are derived from them
+//! (`sieve_format::ssb`). They are generated on a thread of their own as
 //! they are read, in the order of the table's key, so a load of any scale
-//! factor streams with bounded memory. `sieve gen` loads TPC-H this way,
+//! factor streams with bounded memory. `sieve gen` loads both this way,
 //! through the write path every load takes.
 
 use std::sync::Arc;
@@ -24,21 +28,27 @@ use datafusion::logical_expr::Expr;
 use datafusion::physical_plan::stream::RecordBatchReceiverStream;
 use datafusion::physical_plan::streaming::PartitionStream;
 use datafusion::physical_plan::{ExecutionPlan, SendableRecordBatchStream};
-use sieve_format::{TpchTable, TPCH_TABLES};
+use sieve_format::{Benchmark, GeneratedTable};
 
-/// Largest scale factor `tpch(...)` generates (TPC-H's own largest).
-pub const TPCH_SCALE_FACTOR_MAX: f64 = 100_000.0;
+/// Largest scale factor `tpch(...)` and `ssb(...)` generate (TPC-H's own largest).
+pub const SCALE_FACTOR_MAX: f64 = 100_000.0;
 
 /// Batches generated ahead of the reader.
 const GENERATED_AHEAD: usize = 4;
 
-/// The `tpch` table function.
-#[derive(Debug, Default)]
-pub struct TpchFunction;
+/// The `tpch` or `ssb` table function: the benchmark's tables, generated.
+#[derive(Debug)]
+pub struct GeneratorFunction(pub Benchmark);
 
-impl TableFunctionImpl for TpchFunction {
+impl TableFunctionImpl for GeneratorFunction {
     fn call_with_args(&self, args: TableFunctionArgs) -> Result<Arc<dyn TableProvider>> {
-        let usage = "tpch(table, scale_factor), e.g. tpch('lineitem', 1)";
+        let benchmark = self.0;
+        let tables = benchmark.tables();
+        let usage = format!(
+            "{0}(table, scale_factor), e.g. {0}('{1}', 1)",
+            benchmark.name(),
+            tables.last().map(|table| table.name).unwrap_or_default()
+        );
         let [table, scale_factor] = args.exprs() else {
             return plan_err!("{usage}: two arguments, not {}", args.exprs().len());
         };
@@ -47,9 +57,13 @@ impl TableFunctionImpl for TpchFunction {
         else {
             return plan_err!("{usage}: the table is a quoted name, not {table}");
         };
-        let Some(table) = TpchTable::named(name) else {
-            let known: Vec<&str> = TPCH_TABLES.iter().map(|table| table.name).collect();
-            return plan_err!("TPC-H has no table '{name}' (known: {})", known.join(", "));
+        let Some(table) = benchmark.table(name) else {
+            let known: Vec<&str> = tables.iter().map(|table| table.name).collect();
+            return plan_err!(
+                "{} has no table '{name}' (known: {})",
+                benchmark.title(),
+                known.join(", ")
+            );
         };
         let Expr::Literal(value, _) = scale_factor else {
             return plan_err!("{usage}: the scale factor is a number, not {scale_factor}");
@@ -60,25 +74,25 @@ impl TableFunctionImpl for TpchFunction {
             }
             _ => return plan_err!("{usage}: the scale factor is a number, not {value}"),
         };
-        if !(scale_factor > 0.0 && scale_factor <= TPCH_SCALE_FACTOR_MAX) {
+        if !(scale_factor > 0.0 && scale_factor <= SCALE_FACTOR_MAX) {
             return plan_err!(
-                "the scale factor must be above 0 and at most {TPCH_SCALE_FACTOR_MAX}, not {scale_factor}"
+                "the scale factor must be above 0 and at most {SCALE_FACTOR_MAX}, not {scale_factor}"
             );
         }
-        Ok(Arc::new(TpchProvider::new(table, scale_factor)?))
+        Ok(Arc::new(GeneratedProvider::new(table, scale_factor)?))
     }
 }
 
-/// One TPC-H table at one scale factor, generated as it is scanned.
+/// One generated table at one scale factor, generated as it is scanned.
 #[derive(Debug)]
-struct TpchProvider {
+struct GeneratedProvider {
     inner: StreamingTable,
 }
 
-impl TpchProvider {
-    fn new(table: TpchTable, scale_factor: f64) -> Result<Self> {
-        let (schema, _) = table.generate(scale_factor, 1, 1);
-        let partition = Arc::new(TpchPartition {
+impl GeneratedProvider {
+    fn new(table: GeneratedTable, scale_factor: f64) -> Result<Self> {
+        let (schema, _) = table.generate(scale_factor);
+        let partition = Arc::new(GeneratedPartition {
             table,
             scale_factor,
             schema: Arc::clone(&schema),
@@ -90,7 +104,7 @@ impl TpchProvider {
 }
 
 #[async_trait]
-impl TableProvider for TpchProvider {
+impl TableProvider for GeneratedProvider {
     fn schema(&self) -> SchemaRef {
         self.inner.schema()
     }
@@ -111,13 +125,13 @@ impl TableProvider for TpchProvider {
 }
 
 #[derive(Debug)]
-struct TpchPartition {
-    table: TpchTable,
+struct GeneratedPartition {
+    table: GeneratedTable,
     scale_factor: f64,
     schema: SchemaRef,
 }
 
-impl PartitionStream for TpchPartition {
+impl PartitionStream for GeneratedPartition {
     fn schema(&self) -> &SchemaRef {
         &self.schema
     }
@@ -128,7 +142,7 @@ impl PartitionStream for TpchPartition {
         let sender = builder.tx();
         let (table, scale_factor) = (self.table, self.scale_factor);
         builder.spawn_blocking(move || {
-            let (_, batches) = table.generate(scale_factor, 1, 1);
+            let (_, batches) = table.generate(scale_factor);
             for batch in batches {
                 let batch =
                     batch.map_err(|error| DataFusionError::ArrowError(Box::new(error), None));
@@ -161,7 +175,7 @@ mod tests {
     #[tokio::test]
     async fn tpch_generates_tables_with_the_specs_row_counts() {
         let context = SessionContext::new();
-        context.register_udtf("tpch", Arc::new(TpchFunction));
+        context.register_udtf("tpch", Arc::new(GeneratorFunction(Benchmark::Tpch)));
         assert_eq!(
             count(&context, "SELECT count(*) FROM tpch('nation', 1)")
                 .await
@@ -199,9 +213,30 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn ssb_generates_its_tables() {
+        let context = SessionContext::new();
+        context.register_udtf("ssb", Arc::new(GeneratorFunction(Benchmark::Ssb)));
+        for (sql, expected) in [
+            ("SELECT count(*) FROM ssb('date', 1)", 2_557),
+            ("SELECT count(*) FROM ssb('Customer', 0.01)", 300),
+            ("SELECT count(*) FROM ssb('lineorder', 0.01)", 60_175),
+            (
+                "SELECT count(*) FROM ssb('lineorder', 0.01) JOIN ssb('part', 0.01) \
+                 ON lo_partkey = p_partkey JOIN ssb('supplier', 0.01) ON lo_suppkey = s_suppkey \
+                 JOIN ssb('customer', 0.01) ON lo_custkey = c_custkey \
+                 JOIN ssb('date', 0.01) ON lo_orderdate = d_datekey",
+                60_175,
+            ),
+        ] {
+            assert_eq!(count(&context, sql).await.unwrap(), expected, "{sql}");
+        }
+    }
+
+    #[tokio::test]
     async fn tpch_refuses_what_it_cannot_generate() {
         let context = SessionContext::new();
-        context.register_udtf("tpch", Arc::new(TpchFunction));
+        context.register_udtf("tpch", Arc::new(GeneratorFunction(Benchmark::Tpch)));
+        context.register_udtf("ssb", Arc::new(GeneratorFunction(Benchmark::Ssb)));
         for (sql, expected) in [
             (
                 "SELECT * FROM tpch('lineitems', 1)",
@@ -212,6 +247,10 @@ mod tests {
             ("SELECT * FROM tpch('nation', 1000000)", "at most"),
             ("SELECT * FROM tpch('nation', 'x')", "is a number"),
             ("SELECT * FROM tpch(nation, 1)", "quoted name"),
+            (
+                "SELECT * FROM ssb('lineitem', 1)",
+                "SSB has no table 'lineitem'",
+            ),
         ] {
             let error = match context.sql(sql).await {
                 Ok(frame) => frame.collect().await.unwrap_err(),
