@@ -8,8 +8,8 @@ use datafusion::common::{plan_err, DataFusionError, Result};
 use datafusion::prelude::SessionConfig;
 use sieve_compute::{connect_session_with_tables, SieveSession};
 use sieve_format::{
-    is_generated, node_directory, SliceLayout, FORMAT_VERSION, LOAD_COMPLETE_MARKER,
-    TABLE_CATALOG_FILE, TPCH_TABLES,
+    is_generated, node_directory, Benchmark, SliceLayout, FORMAT_VERSION, LOAD_COMPLETE_MARKER,
+    TABLE_CATALOG_FILE,
 };
 use sieve_fragment::Secret;
 use sieve_storage::{ConnectionLimits, ExecuteOptions, StorageNode, StorageNodeConfig};
@@ -122,22 +122,24 @@ impl EmbeddedCluster {
     }
 }
 
-/// Where TPC-H at `scale_factor` with `replicas` copies of each slice lives
-/// under the data directory `data`: `tpch-sfX`, or `tpch-sfX-rR` with replicas.
-pub fn tpch_directory(data: &Path, scale_factor: f64, replicas: usize) -> PathBuf {
+/// Where `benchmark` at `scale_factor` with `replicas` copies of each slice
+/// lives under the data directory `data`: `tpch-sfX`, `ssb-sfX`, or
+/// `tpch-sfX-rR` with replicas.
+pub fn data_set_directory(
+    data: &Path,
+    benchmark: Benchmark,
+    scale_factor: f64,
+    replicas: usize,
+) -> PathBuf {
+    let name = benchmark.name();
     if replicas > 1 {
-        data.join(format!("tpch-sf{scale_factor}-r{replicas}"))
+        data.join(format!("{name}-sf{scale_factor}-r{replicas}"))
     } else {
-        data.join(format!("tpch-sf{scale_factor}"))
+        data.join(format!("{name}-sf{scale_factor}"))
     }
 }
 
-/// TPC-H at `scale_factor` over `nodes` node directories under `root`, each
-/// slice on `replicas` nodes, loaded if `root` does not hold a complete
-/// load of this format version, node count and replica count.
-/// The load goes to a directory of its own and is renamed into place, so
-/// concurrent callers (test processes) never see a partial load: the loser of
-/// the rename discards its copy.
+/// [`generated`] for TPC-H.
 pub fn generated_tpch(
     root: &Path,
     scale_factor: f64,
@@ -145,15 +147,32 @@ pub fn generated_tpch(
     replicas: usize,
     layout: &SliceLayout,
 ) -> Result<PathBuf> {
-    if is_generated(root, nodes, replicas) {
+    generated(Benchmark::Tpch, root, scale_factor, nodes, replicas, layout)
+}
+
+/// `benchmark` at `scale_factor` over `nodes` node directories under `root`,
+/// each slice on `replicas` nodes, loaded if `root` does not hold a complete
+/// load of it in this format version, node count and replica count.
+/// The load goes to a directory of its own and is renamed into place, so
+/// concurrent callers (test processes) never see a partial load: the loser of
+/// the rename discards its copy.
+pub fn generated(
+    benchmark: Benchmark,
+    root: &Path,
+    scale_factor: f64,
+    nodes: usize,
+    replicas: usize,
+    layout: &SliceLayout,
+) -> Result<PathBuf> {
+    if is_generated(root, benchmark, nodes, replicas) {
         return Ok(root.to_path_buf());
     }
     let staging = root.with_extension(format!("staging-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&staging);
-    load_tpch(&staging, scale_factor, nodes, replicas, layout)?;
+    load(benchmark, &staging, scale_factor, nodes, replicas, layout)?;
     if std::fs::rename(&staging, root).is_err() {
         // Another process won, or an old load of another version is in the way.
-        if !is_generated(root, nodes, replicas) {
+        if !is_generated(root, benchmark, nodes, replicas) {
             std::fs::remove_dir_all(root)?;
             std::fs::rename(&staging, root)?;
         }
@@ -162,16 +181,17 @@ pub fn generated_tpch(
     Ok(root.to_path_buf())
 }
 
-/// Load TPC-H at `scale_factor` into a new data set at `root`: `nodes`
+/// Load `benchmark` at `scale_factor` into a new data set at `root`: `nodes`
 /// storage-node directories and the table catalog ([`TABLE_CATALOG_FILE`]).
 /// The data enters as any user's does: storage nodes start over the
 /// directories (in this process), and each table is created with
 /// `CREATE TABLE name WITH (sort_key = its key, replicas, slice_rows,
-/// row_group_rows, page_rows) AS SELECT * FROM tpch('name', sf)`: rows cut
-/// into slices, sent to the nodes with `DoPut` and committed in the
-/// catalog. The completion marker is written last. Runs on a thread and
-/// runtime of its own, so it may be called from anywhere.
-pub fn load_tpch(
+/// row_group_rows, page_rows) AS SELECT * FROM tpch('name', sf)` (or
+/// `ssb(...)`): rows cut into slices, sent to the nodes with `DoPut` and
+/// committed in the catalog. The completion marker is written last. Runs on
+/// a thread and runtime of its own, so it may be called from anywhere.
+pub fn load(
+    benchmark: Benchmark,
     root: &Path,
     scale_factor: f64,
     nodes: usize,
@@ -202,13 +222,14 @@ pub fn load_tpch(
     let load = async {
         let cluster = EmbeddedCluster::start(root, nodes).await?;
         let session = cluster.session().await?;
-        for table in TPCH_TABLES {
+        for table in benchmark.tables() {
             let sql = format!(
                 "CREATE TABLE {name} WITH (sort_key = '{key}', replicas = {replicas}, \
                  slice_rows = {slice_rows}, row_group_rows = {row_group_rows}, page_rows = {page_rows}) \
-                 AS SELECT * FROM tpch('{name}', {scale_factor})",
+                 AS SELECT * FROM {function}('{name}', {scale_factor})",
                 name = table.name,
-                key = table.key_column(),
+                key = table.key_column,
+                function = benchmark.name(),
                 slice_rows = layout.slice_rows_max,
                 row_group_rows = layout.row_group_rows_max,
                 page_rows = layout.data_page_rows_max,
@@ -230,10 +251,12 @@ pub fn load_tpch(
                     .block_on(load)
             })
             .join()
-            .map_err(|_| DataFusionError::Internal("the TPC-H load panicked".to_string()))?
+            .map_err(|_| {
+                DataFusionError::Internal(format!("the {} load panicked", benchmark.title()))
+            })?
     })?;
     let meta = serde_json::json!({
-        "benchmark": "tpch",
+        "benchmark": benchmark.name(),
         "format_version": FORMAT_VERSION,
         "scale_factor": scale_factor,
         "nodes": nodes,

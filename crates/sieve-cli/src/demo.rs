@@ -8,7 +8,7 @@ use datafusion::prelude::SessionConfig;
 use sieve_compute::{connect_session_with_tables, SieveSession};
 
 use crate::secret::load_secret;
-use sieve_format::{is_generated, SliceLayout};
+use sieve_format::{is_generated, Benchmark, SliceLayout};
 
 use crate::cluster::EmbeddedCluster;
 use crate::compare::{rows_as_text, run};
@@ -61,12 +61,13 @@ pub struct QueryReport {
 
 /// Generate the data set if missing and return its directory.
 pub fn ensure_data(options: &DemoOptions) -> Result<PathBuf> {
-    let root = crate::cluster::tpch_directory(
+    let root = crate::cluster::data_set_directory(
         &options.data_directory,
+        Benchmark::Tpch,
         options.scale_factor,
         options.replicas,
     );
-    if !is_generated(&root, options.nodes, options.replicas) {
+    if !is_generated(&root, Benchmark::Tpch, options.nodes, options.replicas) {
         eprintln!(
             "generating TPC-H SF {} into {} ...",
             options.scale_factor,

@@ -18,6 +18,7 @@ use sieve_cli::fuzz::{
 use sieve_cli::secret::{load_secret, SECRET_ENV};
 use sieve_cli::serve::{run_serve, ServeOptions};
 use sieve_cli::shell::{run_statements, shell, Backend, Format, Printer};
+use sieve_format::Benchmark;
 use sieve_format::SliceLayout;
 use sieve_storage::{ExecuteOptions, StorageNode, StorageNodeConfig};
 
@@ -68,10 +69,10 @@ enum Command {
     },
     /// Load a benchmark data set through the write path: storage nodes over
     /// --out's node directories (in this process), a table catalog in
-    /// --out/catalog.sqlite, each table created from the `tpch(...)` table
-    /// function as any `CREATE TABLE ... AS SELECT` is.
+    /// --out/catalog.sqlite, each table created from the `tpch(...)` or
+    /// `ssb(...)` table function as any `CREATE TABLE ... AS SELECT` is.
     Gen {
-        /// Benchmark: only `tpch` for now.
+        /// Benchmark: `tpch` or `ssb` (the Star Schema Benchmark).
         benchmark: String,
         /// Scale factor.
         #[arg(long, default_value_t = 1.0)]
@@ -97,7 +98,8 @@ enum Command {
     /// plain loopback otherwise). Prints a Markdown table and writes
     /// results.json, report.md and charts (SVG, PNG) to --out.
     Bench {
-        /// Benchmark: `tpch`, or `clients` (latency of Q1 and Q6 and the rate
+        /// Benchmark: `tpch`, `ssb` (the Star Schema Benchmark's 13 queries),
+        /// or `clients` (latency of Q1 and Q6 and the rate
         /// of a large result through Flight SQL and PostgreSQL against
         /// in-process; --sf, --nodes, --runs and --data apply).
         benchmark: String,
@@ -117,13 +119,13 @@ enum Command {
         /// Timed runs per query and mode (after one warm-up when more than one).
         #[arg(long, default_value_t = 3)]
         runs: usize,
-        /// Only these queries (e.g. --query q1 --query q6).
+        /// Only these queries (e.g. --query q1 --query q6, or --query q2.1 for SSB).
         #[arg(long = "query")]
         queries: Vec<String>,
         /// Modes to compare, in order: ndp, off, duckdb.
         #[arg(long, value_delimiter = ',', default_value = "ndp,off,duckdb")]
         modes: Vec<String>,
-        /// Data directory (data in DIR/tpch-sfX, DuckDB's environment beside it).
+        /// Data directory (data in DIR/tpch-sfX or DIR/ssb-sfX, DuckDB's environment beside it).
         #[arg(long, default_value = "sieve-data")]
         data: PathBuf,
         /// Where results.json, report.md, the charts and node logs go.
@@ -551,20 +553,21 @@ async fn run(cli: Cli) -> Result<()> {
             slice_rows,
             page_rows,
         } => {
-            if benchmark != "tpch" {
+            let Some(benchmark) = Benchmark::parse(&benchmark) else {
                 return datafusion::common::plan_err!(
-                    "unknown benchmark '{benchmark}' (known: tpch)"
+                    "unknown benchmark '{benchmark}' (known: tpch, ssb)"
                 );
-            }
+            };
             let layout = SliceLayout {
                 slice_rows_max: slice_rows,
                 data_page_rows_max: page_rows,
                 ..SliceLayout::default()
             };
             let started = std::time::Instant::now();
-            sieve_cli::cluster::load_tpch(&out, sf, nodes, replicas, &layout)?;
+            sieve_cli::cluster::load(benchmark, &out, sf, nodes, replicas, &layout)?;
             println!(
-                "loaded TPC-H SF {sf} into {} in {:.1} s ({nodes} node directories and catalog.sqlite, {replicas} cop{} of each slice)",
+                "loaded {} SF {sf} into {} in {:.1} s ({nodes} node directories and catalog.sqlite, {replicas} cop{} of each slice)",
+                benchmark.title(),
                 out.display(),
                 started.elapsed().as_secs_f64(),
                 if replicas == 1 { "y" } else { "ies" }

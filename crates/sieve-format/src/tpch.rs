@@ -131,10 +131,16 @@ pub fn slice_path(node_dir: &Path, table: &str, part: usize) -> PathBuf {
         .join(crate::slice_file_name(table, part as u32))
 }
 
-/// Whether `root` holds a complete load of this [`FORMAT_VERSION`] over
-/// `nodes` nodes with `replicas` copies of each slice, and its table
-/// catalog (the marker is written last and names them).
-pub fn is_generated(root: &Path, nodes: usize, replicas: usize) -> bool {
+/// Whether `root` holds a complete load of `benchmark` in this
+/// [`FORMAT_VERSION`] over `nodes` nodes with `replicas` copies of each
+/// slice, and its table catalog (the marker is written last and names them;
+/// a marker without a benchmark is TPC-H's).
+pub fn is_generated(
+    root: &Path,
+    benchmark: crate::Benchmark,
+    nodes: usize,
+    replicas: usize,
+) -> bool {
     let Ok(marker) = std::fs::read(root.join(LOAD_COMPLETE_MARKER)) else {
         return false;
     };
@@ -142,7 +148,12 @@ pub fn is_generated(root: &Path, nodes: usize, replicas: usize) -> bool {
         return false;
     };
     let number = |key: &str| marker.get(key).and_then(serde_json::Value::as_u64);
-    number("format_version") == Some(u64::from(FORMAT_VERSION))
+    let named = marker
+        .get("benchmark")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("tpch");
+    named == benchmark.name()
+        && number("format_version") == Some(u64::from(FORMAT_VERSION))
         && number("nodes") == Some(nodes as u64)
         && number("replicas").unwrap_or(1) == replicas as u64
         && root.join(crate::TABLE_CATALOG_FILE).is_file()

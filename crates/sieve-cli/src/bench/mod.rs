@@ -1,4 +1,4 @@
-//! `sieve bench tpch`: Sieve with pushdown (`ndp`), Sieve without it
+//! `sieve bench tpch` and `sieve bench ssb`: Sieve with pushdown (`ndp`), Sieve without it
 //! (`off`: stock DataFusion reading Parquet slices by byte range) and DuckDB
 //! (httpfs over the same byte-range endpoint) side by side, over an emulated
 //! network link between the compute side and each storage node.
@@ -35,13 +35,13 @@ use datafusion::common::{exec_err, plan_err, Result};
 use datafusion::prelude::SessionConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 use sieve_compute::{connect_session_with_tables, SieveSession, StorageClient};
-use sieve_format::{node_directory, SliceLayout};
+use sieve_format::{node_directory, Benchmark, SliceLayout};
 
 pub use link::LinkSpec;
 pub use report::{BenchReport, EnergyModel, FailedQuery, ModeReport, QueryReport, Sample};
 
 use crate::compare::{rows_as_text, run};
-use crate::queries::{is_ordered, TPCH_QUERIES};
+use crate::queries::{is_ordered, queries_of};
 use link::{Cleanup, CleanupGuard, NodeLink, SharedCleanup};
 use nodes::NodeProcess;
 use report::LinkReport;
@@ -82,7 +82,7 @@ impl Mode {
 /// What `sieve bench` runs.
 #[derive(Debug, Clone)]
 pub struct BenchOptions {
-    /// `tpch`.
+    /// `tpch` or `ssb`.
     pub benchmark: String,
     /// Scale factor.
     pub scale_factor: f64,
@@ -92,11 +92,11 @@ pub struct BenchOptions {
     pub link: LinkSpec,
     /// Timed runs per query and mode (after one warm-up when more than one).
     pub runs: usize,
-    /// Queries (`q1`..`q22`); empty means all.
+    /// Queries (`q1`..`q22`, or SSB's `q1.1`..`q4.3`); empty means all.
     pub queries: Vec<String>,
     /// Modes, run in this order in every round.
     pub modes: Vec<Mode>,
-    /// Where data (`tpch-sfX`) and DuckDB's environment are kept.
+    /// Where data (`tpch-sfX`, `ssb-sfX`) and DuckDB's environment are kept.
     pub data_directory: PathBuf,
     /// Where the report, charts and node logs go.
     pub out_directory: PathBuf,
@@ -112,9 +112,13 @@ pub struct BenchOptions {
 /// when this returns (or the process is interrupted).
 pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
     let started = Instant::now();
-    if options.benchmark != "tpch" {
-        return plan_err!("unknown benchmark '{}' (known: tpch)", options.benchmark);
-    }
+    let Some(benchmark) = Benchmark::parse(&options.benchmark) else {
+        return plan_err!(
+            "unknown benchmark '{}' (known: tpch, ssb, clients)",
+            options.benchmark
+        );
+    };
+    let all_queries = queries_of(benchmark);
     if options.runs == 0 || options.nodes == 0 || options.modes.is_empty() {
         return plan_err!("--runs, --nodes and --modes must each be at least one");
     }
@@ -124,21 +128,31 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         }
     }
     for wanted in &options.queries {
-        if !TPCH_QUERIES.iter().any(|(name, _)| name == wanted) {
-            return plan_err!("unknown query '{wanted}' (q1 .. q22)");
+        if !all_queries.iter().any(|(name, _)| name == wanted) {
+            let names: Vec<&str> = all_queries.iter().map(|(name, _)| *name).collect();
+            return plan_err!(
+                "unknown {} query '{wanted}' (known: {})",
+                benchmark.title(),
+                names.join(", ")
+            );
         }
     }
-    let root = options
-        .data_directory
-        .join(format!("tpch-sf{}", options.scale_factor));
-    if !sieve_format::is_generated(&root, options.nodes, 1) {
+    let root = crate::cluster::data_set_directory(
+        &options.data_directory,
+        benchmark,
+        options.scale_factor,
+        1,
+    );
+    if !sieve_format::is_generated(&root, benchmark, options.nodes, 1) {
         eprintln!(
-            "generating TPC-H SF {} into {} ...",
+            "generating {} SF {} into {} ...",
+            benchmark.title(),
             options.scale_factor,
             root.display()
         );
     }
-    crate::cluster::generated_tpch(
+    crate::cluster::generated(
+        benchmark,
         &root,
         options.scale_factor,
         options.nodes,
@@ -221,7 +235,7 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         None => None,
     };
 
-    let queries: Vec<(&str, &str)> = TPCH_QUERIES
+    let queries: Vec<(&str, &str)> = all_queries
         .iter()
         .filter(|(name, _)| options.queries.is_empty() || options.queries.iter().any(|q| q == name))
         .copied()

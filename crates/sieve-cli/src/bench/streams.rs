@@ -22,10 +22,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use datafusion::common::{exec_err, plan_err, Result};
-use sieve_format::SliceLayout;
+use sieve_format::{Benchmark, SliceLayout};
 use sieve_storage::ExecuteOptions;
 
-use crate::cluster::{generated_tpch, tpch_directory, EmbeddedCluster};
+use crate::cluster::{data_set_directory, generated_tpch, EmbeddedCluster};
 use crate::compare::{rows_as_text, run};
 use crate::queries::{is_ordered, TPCH_QUERIES};
 
@@ -96,12 +96,13 @@ pub async fn run_streams(options: &StreamsOptions) -> Result<Vec<PhaseReport>> {
     if options.kill && (options.replicas < 2 || options.nodes < 2) {
         return plan_err!("--kill needs at least 2 nodes and 2 replicas");
     }
-    let root = tpch_directory(
+    let root = data_set_directory(
         &options.data_directory,
+        Benchmark::Tpch,
         options.scale_factor,
         options.replicas,
     );
-    if !sieve_format::is_generated(&root, options.nodes, options.replicas) {
+    if !sieve_format::is_generated(&root, Benchmark::Tpch, options.nodes, options.replicas) {
         eprintln!(
             "generating TPC-H SF {} ({} copies of each slice) into {} ...",
             options.scale_factor,

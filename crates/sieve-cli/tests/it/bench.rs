@@ -1,5 +1,5 @@
 //! `sieve bench` end to end, as a user runs it: the three modes agree on all
-//! 22 TPC-H queries at SF 0.01, the report and charts are written, and
+//! 22 TPC-H queries and all 13 SSB queries at SF 0.01, the report and charts are written, and
 //! nothing is left behind (no namespace, no interface, no process), also
 //! when the run is interrupted with Ctrl-C (SIGINT) halfway.
 //!
@@ -22,10 +22,15 @@ fn is_root() -> bool {
 /// A `sieve bench` command marked with `mark` in its environment, which its
 /// storage nodes and DuckDB inherit, so leftovers can be found by it.
 fn bench(mark: &str, out: &Path, extra: &[&str]) -> Command {
+    bench_of("tpch", mark, out, extra)
+}
+
+/// [`bench`] of `benchmark`.
+fn bench_of(benchmark: &str, mark: &str, out: &Path, extra: &[&str]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_sieve"));
     command
         .args([
-            "bench", "tpch", "--sf", "0.01", "--nodes", "2", "--link", "1gbit",
+            "bench", benchmark, "--sf", "0.01", "--nodes", "2", "--link", "1gbit",
         ])
         .arg("--data")
         .arg(data_directory())
@@ -190,6 +195,44 @@ fn bench_runs_three_modes_that_agree_and_leaves_nothing_behind() {
             assert_eq!(&bytes[..4], b"\x89PNG");
         }
     }
+}
+
+#[test]
+fn ssb_bench_runs_its_13_queries_in_three_modes_that_agree() {
+    let mark = format!("ssb-{}", std::process::id());
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(&mark);
+    let _ = std::fs::remove_dir_all(&out);
+    let child = bench_of("ssb", &mark, &out, &["--runs", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start sieve bench ssb");
+    let pid = child.id();
+    let output = child.wait_with_output().expect("sieve bench ssb runs");
+    let (stdout, stderr) = text(&output);
+    // The run fails if any two modes disagree on any query's rows.
+    assert!(
+        output.status.success(),
+        "sieve bench ssb failed:\n{stdout}\n{stderr}"
+    );
+    assert_nothing_left(pid, &mark);
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).expect("results.json"))
+            .expect("results.json is JSON");
+    assert_eq!(report["benchmark"], "ssb");
+    let names: Vec<&str> = report["queries"]
+        .as_array()
+        .expect("queries")
+        .iter()
+        .map(|query| query["name"].as_str().expect("a name"))
+        .collect();
+    let expected: Vec<&str> = sieve_cli::queries::SSB_QUERIES
+        .iter()
+        .map(|(name, _)| *name)
+        .collect();
+    assert_eq!(names, expected);
+    assert_eq!(report["failed"], serde_json::json!([]));
+    assert!(stdout.contains("SSB"), "{stdout}");
 }
 
 #[test]

@@ -38,7 +38,12 @@ async fn sieve_gen_loads_tables_of_a_catalog_that_take_writes() {
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    assert!(sieve_format::is_generated(&out, 2, 2));
+    assert!(sieve_format::is_generated(
+        &out,
+        sieve_format::Benchmark::Tpch,
+        2,
+        2
+    ));
     let cluster = EmbeddedCluster::start(&out, 2).await.unwrap();
     let session = cluster.session().await.unwrap();
     let reference = reference_context(&out, 2).await.unwrap();

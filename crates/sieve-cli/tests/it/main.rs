@@ -38,4 +38,5 @@ mod serve_concurrency;
 mod serve_flight_sql;
 mod serve_pg;
 mod serve_python;
+mod ssb;
 mod streams;
