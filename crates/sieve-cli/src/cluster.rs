@@ -185,7 +185,7 @@ pub fn generated(
 /// storage-node directories and the table catalog ([`TABLE_CATALOG_FILE`]).
 /// The data enters as any user's does: storage nodes start over the
 /// directories (in this process), and each table is created with
-/// `CREATE TABLE name WITH (sort_key = its key, replicas, slice_rows,
+/// `CREATE TABLE name WITH (sort_key = its sort key, replicas, slice_rows,
 /// row_group_rows, page_rows) AS SELECT * FROM tpch('name', sf)` (or
 /// `ssb(...)`): rows cut into slices, sent to the nodes with `DoPut` and
 /// committed in the catalog. The completion marker is written last. Runs on
@@ -228,7 +228,7 @@ pub fn load(
                  slice_rows = {slice_rows}, row_group_rows = {row_group_rows}, page_rows = {page_rows}) \
                  AS SELECT * FROM {function}('{name}', {scale_factor})",
                 name = table.name,
-                key = table.key_column,
+                key = table.sort_key,
                 function = benchmark.name(),
                 slice_rows = layout.slice_rows_max,
                 row_group_rows = layout.row_group_rows_max,

@@ -14,15 +14,16 @@ pub enum Benchmark {
     Ssb,
 }
 
-/// One generated table: its name and the column a load sorts it by.
+/// One generated table: its name and the columns a load sorts it by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GeneratedTable {
     /// Where its rows come from.
     source: Source,
     /// Table name, as the queries spell it.
     pub name: &'static str,
-    /// The column its rows are generated in the order of.
-    pub key_column: &'static str,
+    /// The columns a load sorts each slice by (comma separated, as the
+    /// `sort_key` table option takes them).
+    pub sort_key: &'static str,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,7 +67,7 @@ impl Benchmark {
                 .map(|table| GeneratedTable {
                     source: Source::Tpch(*table),
                     name: table.name,
-                    key_column: table.key_column(),
+                    sort_key: table.key_column(),
                 })
                 .collect(),
             Self::Ssb => SSB_TABLES
@@ -74,7 +75,7 @@ impl Benchmark {
                 .map(|table| GeneratedTable {
                     source: Source::Ssb(*table),
                     name: table.name,
-                    key_column: table.key_column,
+                    sort_key: table.sort_key,
                 })
                 .collect(),
         }
@@ -97,7 +98,8 @@ impl GeneratedTable {
         }
     }
 
-    /// Schema and batches of the whole table at `scale_factor`, in key order.
+    /// Schema and batches of the whole table at `scale_factor`, in the order
+    /// of its key.
     pub fn generate(&self, scale_factor: f64) -> (SchemaRef, GeneratedBatches) {
         match self.source {
             Source::Tpch(table) => table.generate(scale_factor, 1, 1),
