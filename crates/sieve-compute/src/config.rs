@@ -29,6 +29,14 @@ extensions_options! {
         /// Push an aggregation only if its estimated groups per slice are at
         /// most this fraction of the slice's rows.
         pub aggregate_group_ratio_max: f64, default = 0.5
+        /// Push a partial aggregation over inner and semi hash joins whose
+        /// build sides are small (a star join: filtered dimensions) into the
+        /// probe scan's fragment, with the build sides' rows: the storage
+        /// nodes probe every dimension and aggregate.
+        pub star_join_pushdown: bool, default = true
+        /// Push a star join only if its build sides are estimated to hold at
+        /// most this many bytes in all (they travel in every slice request).
+        pub star_join_build_bytes_max: usize, default = 1024 * 1024
         /// Apply hash joins' build-side keys (range, IN list, Bloom filter)
         /// on the storage nodes of the probe side.
         pub join_filters: bool, default = true

@@ -43,6 +43,7 @@ pub mod raw;
 mod scan;
 mod session;
 mod spill_join;
+mod star_join;
 mod table;
 pub mod tables;
 mod traffic;
@@ -75,5 +76,6 @@ pub use spill_join::{
     JoinInputExec, SpillHashJoins, SpillableHashJoinExec, GRACE_DEPTH_MAX, GRACE_FAN_OUT,
     JOIN_BUILD_BYTES_MAX,
 };
+pub use star_join::{PushStarJoinToStorage, PushedStarJoin};
 pub use table::SieveTable;
 pub use traffic::{Traffic, TrafficSnapshot};

@@ -46,7 +46,7 @@ use crate::build_keys::{BuildKeys, BuildKeysExec};
 use crate::join_filter::KeyFilterSlot;
 use crate::{PushedAggregate, SieveConfig, SieveScanExec};
 
-fn recompute() -> ReplaceChildrenOptions {
+pub(crate) fn recompute() -> ReplaceChildrenOptions {
     ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute)
 }
 
@@ -326,7 +326,7 @@ struct JoinInfo {
 pub struct WaitForJoinFilters;
 
 /// Tables scanned under `plan`, for "join filter from ...".
-fn build_side_name(plan: &Arc<dyn ExecutionPlan>) -> String {
+pub(crate) fn build_side_name(plan: &Arc<dyn ExecutionPlan>) -> String {
     let mut tables = Vec::new();
     let _ = plan.apply(|node| {
         if let Some(scan) = node.downcast_ref::<SieveScanExec>() {
@@ -355,7 +355,7 @@ fn post_order(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<Arc<dyn ExecutionPlan
 /// output column `index` of `plan` carries unchanged, row for row, through
 /// column projections, filters, repartitions, coalescing, sorts and inner
 /// hash joins; `None` past any other operator.
-fn trace_column(
+pub(crate) fn trace_column(
     plan: &Arc<dyn ExecutionPlan>,
     index: usize,
 ) -> Option<(Arc<dyn ExecutionPlan>, usize)> {

@@ -54,6 +54,7 @@ use crate::join_filter::{
     resolve, JoinFilterSettings, JoinFilterSlot, KeyFilterSlot, ProbeColumns,
 };
 use crate::raw::{complete_raw, RawPages};
+use crate::star_join::PushedStarJoin;
 use crate::{ClusterCatalog, ClusterSlice, ClusterTable, Traffic};
 
 /// A scan whose filter and projection run on the storage nodes.
@@ -76,6 +77,9 @@ pub struct SieveScanExec {
     aggregate: Option<PushedAggregate>,
     /// Why an aggregation above this scan was not pushed, for EXPLAIN.
     aggregate_note: Option<String>,
+    /// A star join pushed with the aggregation (`aggregate` holds its
+    /// operators): its build sides are this scan's children, run first.
+    star_join: Option<PushedStarJoin>,
     /// Join filters dropped at planning because they could not filter, for EXPLAIN.
     join_notes: Vec<String>,
     /// Dynamic filters from joins above, applied on the storage nodes.
@@ -227,6 +231,7 @@ impl SieveScanExec {
             filtered_statistics: Arc::new(filtered),
             aggregate: None,
             aggregate_note: None,
+            star_join: None,
             join_notes: vec![],
             join_filters: vec![],
             key_filters: vec![],
@@ -256,6 +261,7 @@ impl SieveScanExec {
             filtered_statistics: Arc::clone(&self.filtered_statistics),
             aggregate: self.aggregate.clone(),
             aggregate_note: self.aggregate_note.clone(),
+            star_join: self.star_join.clone(),
             join_notes: self.join_notes.clone(),
             join_filters: self.join_filters.clone(),
             key_filters: self.key_filters.clone(),
@@ -293,6 +299,63 @@ impl SieveScanExec {
             properties: properties(schema, partitions),
             ..self.copy()
         })
+    }
+
+    /// This scan with `star` (a partial aggregation over hash joins over this
+    /// scan's output) pushed into its fragment; the body is encoded at
+    /// execution, once the build sides' rows are collected. The new scan's
+    /// output is the aggregation's partial states.
+    pub fn with_star_join(&self, star: PushedStarJoin) -> Result<Self> {
+        let partitions = self.properties.partitioning.partition_count();
+        let schema = star.plan.schema();
+        Ok(Self {
+            aggregate: Some(PushedAggregate {
+                plan: Arc::clone(&star.plan),
+                description: star.description.clone(),
+            }),
+            aggregate_note: None,
+            star_join: Some(star),
+            properties: properties(schema, partitions),
+            ..self.copy()
+        })
+    }
+
+    /// A copy of this scan (fresh metrics and per-execution state).
+    pub(crate) fn clone_without_metrics(&self) -> Self {
+        self.copy()
+    }
+
+    /// The pushed star join, if any.
+    pub fn star_join(&self) -> Option<&PushedStarJoin> {
+        self.star_join.as_ref()
+    }
+
+    /// This scan without the dynamic filter `expression_id` (its join runs
+    /// inside this scan's star join).
+    pub(crate) fn without_join_filter_silently(&self, expression_id: u64) -> Self {
+        Self {
+            join_filters: self
+                .join_filters
+                .iter()
+                .filter(|slot| !contains_expression_id(&slot.filter, expression_id))
+                .cloned()
+                .collect(),
+            ..self.copy()
+        }
+    }
+
+    /// This scan without the key filters of the join whose build keys
+    /// `keys` collects (it runs inside this scan's star join).
+    pub(crate) fn without_key_filters_from(&self, keys: &Arc<BuildKeys>) -> Self {
+        Self {
+            key_filters: self
+                .key_filters
+                .iter()
+                .filter(|slot| !Arc::ptr_eq(&slot.keys, keys))
+                .cloned()
+                .collect(),
+            ..self.copy()
+        }
     }
 
     /// This scan with a note on why an aggregation was not pushed.
@@ -449,7 +512,9 @@ impl SieveScanExec {
 
     /// Whether the scan's requests wait for a join's build side.
     pub fn waits_for_join_filters(&self) -> bool {
-        self.join_filters.iter().any(|slot| slot.source.is_some()) || !self.key_filters.is_empty()
+        self.join_filters.iter().any(|slot| slot.source.is_some())
+            || !self.key_filters.is_empty()
+            || self.star_join.is_some()
     }
 
     /// Rows estimated to match the pushed predicate (before any pushed
@@ -730,8 +795,12 @@ impl DisplayAs for SieveScanExec {
             ", pushed columns: [{}]",
             self.pushed_columns().join(", ")
         )?;
-        if let Some(aggregate) = &self.aggregate {
-            write!(formatter, ", pushed aggregate: {}", aggregate.description)?;
+        match (&self.star_join, &self.aggregate) {
+            (Some(star), _) => write!(formatter, ", {}", star.description)?,
+            (None, Some(aggregate)) => {
+                write!(formatter, ", pushed aggregate: {}", aggregate.description)?
+            }
+            (None, None) => {}
         }
         if let Some(note) = &self.aggregate_note {
             write!(formatter, ", aggregate not pushed: {note}")?;
@@ -831,17 +900,34 @@ impl ExecutionPlan for SieveScanExec {
     }
 
     fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![]
+        // A star join's build sides, run before any slice request.
+        self.star_join
+            .as_ref()
+            .map(|star| star.builds.iter().collect())
+            .unwrap_or_default()
     }
 
     fn with_new_children(
         self: Arc<Self>,
         children: Vec<Arc<dyn ExecutionPlan>>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        if !children.is_empty() {
-            return internal_err!("SieveScanExec has no children");
+        let builds = self.star_join.as_ref().map_or(0, |star| star.builds.len());
+        if children.len() != builds {
+            return internal_err!(
+                "SieveScanExec has {builds} children (a star join's build sides), not {}",
+                children.len()
+            );
         }
-        Ok(self)
+        let Some(star) = &self.star_join else {
+            return Ok(self);
+        };
+        let mut star = star.clone();
+        star.builds = children;
+        Ok(Arc::new(Self {
+            star_join: Some(star),
+            metrics: self.metrics.clone(),
+            ..self.copy()
+        }))
     }
 
     fn metrics(&self) -> Option<MetricsSet> {
@@ -1004,6 +1090,8 @@ impl SieveScanExec {
             .map(|index| self.column_distinct_bound(index))
             .collect();
         let waits = self.waits_for_join_filters();
+        let star_join = self.star_join.clone();
+        let build_context = Arc::clone(&context);
         let registration_nodes = self.registration_nodes();
         let registration_timeout = self.failover.timeout;
         let filter_bytes = builder().counter("join_filter_bytes_sent", partition);
@@ -1023,13 +1111,69 @@ impl SieveScanExec {
                 let resolved = resolved_body
                     .get_or_init(|| async move {
                         let resolve = async {
+                            // A star join: its build sides' rows go into the
+                            // fragment, with their key ranges.
+                            let mut descriptions_first = Vec::new();
+                            let (base_body, predicate) = match &star_join {
+                                None => (base_body, predicate),
+                                Some(star) => {
+                                    let mut rows = Vec::with_capacity(star.builds.len());
+                                    let (mut build_rows, mut build_bytes) = (0, 0);
+                                    for build in &star.builds {
+                                        let batches = datafusion::physical_plan::collect(
+                                            Arc::clone(build),
+                                            Arc::clone(&build_context),
+                                        )
+                                        .await?;
+                                        build_rows += batches
+                                            .iter()
+                                            .map(RecordBatch::num_rows)
+                                            .sum::<usize>();
+                                        build_bytes += batches
+                                            .iter()
+                                            .map(RecordBatch::get_array_memory_size)
+                                            .sum::<usize>();
+                                        rows.push(batches);
+                                    }
+                                    let (plan, ranges) = crate::star_join::with_build_rows(
+                                        star,
+                                        &table.schema,
+                                        rows,
+                                    )?;
+                                    let predicate = (predicate.is_some() || !ranges.is_empty())
+                                        .then(|| {
+                                            physical_conjunction(
+                                                predicate.iter().cloned().chain(ranges),
+                                            )
+                                        });
+                                    let body = sieve_fragment::Fragment {
+                                        projection: shipped.clone(),
+                                        predicate: predicate.clone(),
+                                        aggregate: Some(plan),
+                                    }
+                                    .encode_body(&table.schema)
+                                    .map_err(|error| {
+                                        DataFusionError::Execution(format!(
+                                            "star join: {} (SET sieve.star_join_pushdown = false runs its joins here)",
+                                            error.strip_backtrace()
+                                        ))
+                                    })?;
+                                    descriptions_first.push(format!(
+                                        "star join: {build_rows} build rows ({build_bytes} bytes) in a {}-byte fragment",
+                                        body.len()
+                                    ));
+                                    (Arc::new(body), predicate)
+                                }
+                            };
                             let probe = ProbeColumns {
                                 shipped: &shipped,
                                 table_schema: &table.schema,
                                 distinct_bounds: &distinct_bounds,
                             };
-                            let (conjuncts, mut descriptions) =
+                            let (conjuncts, descriptions) =
                                 resolve(&join_filters, &key_filters, &join_settings, probe).await?;
+                            let mut descriptions: Vec<String> =
+                                descriptions_first.into_iter().chain(descriptions).collect();
                             let note = |descriptions: Vec<String>| {
                                 *resolved_out.lock().expect("never poisoned") = descriptions;
                             };

@@ -224,6 +224,7 @@ pub fn session_over(
         .with_physical_optimizer_rules(physical_rules_without_static_filter_pushdown())
         .with_physical_optimizer_rule(Arc::new(PushAggregateToStorage))
         .with_physical_optimizer_rule(Arc::new(WaitForJoinFilters))
+        .with_physical_optimizer_rule(Arc::new(crate::PushStarJoinToStorage))
         .with_physical_optimizer_rule(Arc::new(crate::SpillHashJoins))
         .with_physical_optimizer_rule(Arc::new(StartScansEarly))
         .build();

@@ -7,7 +7,9 @@
 use std::sync::Arc;
 
 use arrow::datatypes::{DataType, Schema};
-use datafusion::common::{plan_err, Result};
+use datafusion::common::{plan_err, JoinType, NullEquality, Result};
+use datafusion::datasource::memory::MemorySourceConfig;
+use datafusion::datasource::source::DataSourceExec;
 use datafusion::logical_expr::Operator;
 use datafusion::physical_expr::expressions::{
     BinaryExpr, CaseExpr, CastExpr, Column, InListExpr, IsNotNullExpr, IsNullExpr, LikeExpr,
@@ -16,6 +18,7 @@ use datafusion::physical_expr::expressions::{
 use datafusion::physical_expr::{PhysicalExpr, ScalarFunctionExpr};
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::filter::FilterExec;
+use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::ExecutionPlan;
 
@@ -202,10 +205,112 @@ fn check_allowed_within_limits(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) ->
     Ok(())
 }
 
-/// Check the operators of a fragment: a partial aggregation over projections
-/// and filters over the slice input, every expression allow-listed against
-/// its operator's input schema. The error names the first thing refused.
+/// Check the operators of a fragment: a partial aggregation over projections,
+/// filters and hash joins (each probing the rows below with a build side
+/// of shipped rows: a star join, see `check_join_allowed`) over the slice
+/// input, every expression allow-listed against its operator's input
+/// schema. The error names the first thing refused.
 pub fn check_plan_allowed(plan: &Arc<dyn ExecutionPlan>) -> Result<()> {
+    check_plan_allowed_with(plan, &mut 0)
+}
+
+/// Most hash joins (dimensions of a star join) one fragment may probe.
+pub const FRAGMENT_JOINS_MAX: usize = 8;
+
+/// Most bytes (Arrow memory) of the rows of one shipped build side.
+pub const BUILD_TABLE_BYTES_MAX: usize = 16 * 1024 * 1024;
+
+/// A hash join as a storage node runs it over a slice: the build side is
+/// rows the compute node shipped (a `DataSourceExec` over memory), the probe
+/// side the slice's rows. Only joins whose result over a slice is the
+/// slice's share of the whole join's result are allowed: collect-left, inner
+/// or right semi (each probe row is matched against the whole build side,
+/// and no build row is emitted for lack of a match), equi-keys of allowed
+/// expressions, no residual filter, NULL keys matching nothing.
+fn check_join_allowed(join: &HashJoinExec, joins: &mut usize) -> Result<()> {
+    *joins += 1;
+    if *joins > FRAGMENT_JOINS_MAX {
+        return plan_err!("an NDP fragment probes at most {FRAGMENT_JOINS_MAX} hash joins");
+    }
+    if *join.partition_mode() != PartitionMode::CollectLeft {
+        return plan_err!(
+            "only a collect-left hash join can run in an NDP fragment, not {:?}",
+            join.partition_mode()
+        );
+    }
+    if !matches!(join.join_type(), JoinType::Inner | JoinType::RightSemi) {
+        return plan_err!(
+            "only inner and right semi hash joins can run in an NDP fragment, not {}",
+            join.join_type()
+        );
+    }
+    if join.filter().is_some() {
+        return plan_err!("a hash join with a residual filter cannot run in an NDP fragment");
+    }
+    if join.null_equality() != NullEquality::NullEqualsNothing || join.null_aware {
+        return plan_err!("a hash join whose NULL keys match cannot run in an NDP fragment");
+    }
+    if join.on().is_empty() {
+        return plan_err!("a hash join in an NDP fragment needs equi-join keys");
+    }
+    let (build_schema, probe_schema) = (join.left().schema(), join.right().schema());
+    for (build_key, probe_key) in join.on() {
+        check_allowed(build_key, &build_schema)?;
+        check_allowed(probe_key, &probe_schema)?;
+    }
+    check_build_table(join.left())
+}
+
+/// A join's build side in a fragment: shipped rows in memory, of allowed
+/// types, at most [`BUILD_TABLE_BYTES_MAX`].
+fn check_build_table(plan: &Arc<dyn ExecutionPlan>) -> Result<()> {
+    let memory = plan.downcast_ref::<DataSourceExec>().and_then(|source| {
+        let source: &dyn std::any::Any = source.data_source().as_ref();
+        source.downcast_ref::<MemorySourceConfig>()
+    });
+    let Some(memory) = memory else {
+        return plan_err!(
+            "a hash join's build side in an NDP fragment must be shipped rows, not {}",
+            plan.name()
+        );
+    };
+    // A collect-left join builds from its left input's first partition
+    // alone: rows in another would be lost.
+    if memory.partitions().len() != 1 {
+        return plan_err!(
+            "a hash join's build side in an NDP fragment is one partition of rows, not {}",
+            memory.partitions().len()
+        );
+    }
+    for field in plan.schema().fields() {
+        if !is_allowed_type(field.data_type()) {
+            return plan_err!(
+                "type {} is not allowed in an NDP fragment (build column {})",
+                field.data_type(),
+                field.name()
+            );
+        }
+    }
+    let bytes: usize = memory
+        .partitions()
+        .iter()
+        .flatten()
+        .map(|batch| batch.get_array_memory_size())
+        .sum();
+    if bytes > BUILD_TABLE_BYTES_MAX {
+        return plan_err!(
+            "a hash join's build side in an NDP fragment holds {bytes} bytes, above the limit of {BUILD_TABLE_BYTES_MAX}"
+        );
+    }
+    Ok(())
+}
+
+fn check_plan_allowed_with(plan: &Arc<dyn ExecutionPlan>, joins: &mut usize) -> Result<()> {
+    if let Some(join) = plan.downcast_ref::<HashJoinExec>() {
+        check_join_allowed(join, joins)?;
+        // The probe side continues down to the slice's rows.
+        return check_plan_allowed_with(join.right(), joins);
+    }
     let input_schema = plan
         .children()
         .first()
@@ -251,7 +356,7 @@ pub fn check_plan_allowed(plan: &Arc<dyn ExecutionPlan>) -> Result<()> {
         return plan_err!("operator {} is not allowed in an NDP fragment", plan.name());
     }
     for child in plan.children() {
-        check_plan_allowed(child)?;
+        check_plan_allowed_with(child, joins)?;
     }
     if plan.children().len() != 1 {
         return plan_err!(

@@ -49,6 +49,7 @@ mod wire;
 
 pub use allow_list::{
     check_allowed, check_plan_allowed, is_allowed_type, ALLOWED_AGGREGATES, ALLOWED_FUNCTIONS,
+    BUILD_TABLE_BYTES_MAX, FRAGMENT_JOINS_MAX,
 };
 pub use auth::{Secret, AUTHORIZATION_HEADER, SECRET_BYTES_MAX, SECRET_BYTES_MIN};
 pub use bitmap::{KeyBitmapExpr, KEY_BITMAP_BYTES_MAX};

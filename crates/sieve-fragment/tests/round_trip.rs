@@ -278,3 +278,130 @@ fn columns_past_the_schema_are_refused_without_a_panic() {
         DecodedBody::decode(&mutated.encode_to_vec(), &schema, &context.task_ctx()).unwrap_err();
     assert!(error.to_string().contains("empty projection"), "{error}");
 }
+
+/// A star join's fragment: hash joins whose build sides are shipped rows,
+/// probed by the slice's rows. The ones whose result over a slice is the
+/// slice's share of the whole join round-trip; the others are refused.
+#[test]
+fn star_join_operators_round_trip_and_unsafe_joins_are_refused() {
+    use arrow::array::{Int64Array, RecordBatch};
+    use datafusion::common::{JoinType, NullEquality};
+    use datafusion::datasource::memory::MemorySourceConfig;
+    use datafusion::physical_expr::expressions::Column;
+    use datafusion::physical_expr::PhysicalExpr;
+    use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+    use datafusion::physical_plan::ExecutionPlan;
+    use sieve_fragment::FRAGMENT_JOINS_MAX;
+
+    let schema = schema();
+    let build_schema = Arc::new(Schema::new(vec![Field::new("b", DataType::Int64, true)]));
+    let batch = RecordBatch::try_new(
+        Arc::clone(&build_schema),
+        vec![Arc::new(Int64Array::from(vec![Some(1), None, Some(3)]))],
+    )
+    .unwrap();
+    let rows = |partitions: usize| -> Arc<dyn ExecutionPlan> {
+        MemorySourceConfig::try_new_exec(
+            &vec![vec![batch.clone()]; partitions],
+            Arc::clone(&build_schema),
+            None,
+        )
+        .unwrap()
+    };
+    let join = |build: Arc<dyn ExecutionPlan>,
+                probe: Arc<dyn ExecutionPlan>,
+                join_type: JoinType,
+                mode: PartitionMode,
+                nulls: NullEquality|
+     -> Arc<dyn ExecutionPlan> {
+        let on = vec![(
+            Arc::new(Column::new("b", 0)) as Arc<dyn PhysicalExpr>,
+            Arc::new(Column::new("k", 0)) as Arc<dyn PhysicalExpr>,
+        )];
+        // Keep the probe side's columns, so joins stack.
+        let projection = match join_type {
+            JoinType::Inner => Some(vec![1, 2, 3]),
+            _ => None,
+        };
+        Arc::new(
+            HashJoinExec::try_new(
+                build, probe, on, None, &join_type, projection, mode, nulls, false,
+            )
+            .unwrap(),
+        )
+    };
+    let input = || -> Arc<dyn ExecutionPlan> { Arc::new(SliceInputExec::new(Arc::clone(&schema))) };
+    let encode = |plan: Arc<dyn ExecutionPlan>| {
+        Fragment {
+            projection: vec![0, 1, 2],
+            predicate: None,
+            aggregate: Some(plan),
+        }
+        .encode_body(&schema)
+    };
+    let allowed = (NullEquality::NullEqualsNothing, PartitionMode::CollectLeft);
+
+    // Two inner joins and a right semi join over the slice: encoded, decoded,
+    // the same operators.
+    let mut plan = input();
+    for join_type in [JoinType::Inner, JoinType::Inner, JoinType::RightSemi] {
+        plan = join(rows(1), plan, join_type, allowed.1, allowed.0);
+    }
+    let body = encode(Arc::clone(&plan)).unwrap();
+    let context = SessionContext::new();
+    let decoded = DecodedBody::decode(&body, &schema, &context.task_ctx()).unwrap();
+    let decoded = decoded.aggregate.unwrap();
+    assert_eq!(decoded.schema(), plan.schema());
+    assert_eq!(decoded.name(), "HashJoinExec");
+
+    let refused = |plan: Arc<dyn ExecutionPlan>, expected: &str| {
+        let error = encode(plan).unwrap_err().to_string();
+        assert!(error.contains(expected), "{expected}: {error}");
+    };
+    // A left join emits build rows no probe row of this slice matched.
+    refused(
+        join(rows(1), input(), JoinType::Left, allowed.1, allowed.0),
+        "only inner and right semi",
+    );
+    refused(
+        join(
+            rows(1),
+            input(),
+            JoinType::Inner,
+            allowed.1,
+            NullEquality::NullEqualsNull,
+        ),
+        "NULL keys match",
+    );
+    refused(
+        join(
+            rows(1),
+            input(),
+            JoinType::Inner,
+            PartitionMode::Partitioned,
+            allowed.0,
+        ),
+        "collect-left",
+    );
+    // A collect-left join builds from the first partition alone.
+    refused(
+        join(rows(2), input(), JoinType::Inner, allowed.1, allowed.0),
+        "one partition",
+    );
+    // The build side is shipped rows, never a plan over anything else.
+    refused(
+        join(
+            Arc::new(SliceInputExec::new(Arc::clone(&build_schema))),
+            input(),
+            JoinType::Inner,
+            allowed.1,
+            allowed.0,
+        ),
+        "must be shipped rows",
+    );
+    let mut deep = input();
+    for _ in 0..=FRAGMENT_JOINS_MAX {
+        deep = join(rows(1), deep, JoinType::RightSemi, allowed.1, allowed.0);
+    }
+    refused(deep, "at most");
+}

@@ -169,6 +169,13 @@ async fn scan_metrics(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn join_filter_skips_probe_pages_and_ships_far_fewer_rows() {
     let (_root, _cluster, session) = start().await;
+    // The join filter alone: a star join would take the join and the sum
+    // into the lineitem scan, join filters on or off.
+    session
+        .context
+        .sql("set sieve.star_join_pushdown = false")
+        .await
+        .unwrap();
     // A few orders (one day's) are the build side; lineitem is probed.
     let sql = "select o_orderkey, sum(l_extendedprice) from orders, lineitem \
                where o_orderkey = l_orderkey and o_orderdate = date '1995-03-15' \

@@ -53,6 +53,13 @@ struct Measured {
 }
 
 async fn measure(session: &SieveSession, sql: &str) -> Measured {
+    // The join filter alone: a star join would take the orders join (a
+    // small build side) into the lineitem scan, with no filter to register.
+    session
+        .context
+        .sql("set sieve.star_join_pushdown = false")
+        .await
+        .expect("a setting");
     let before = session.traffic.snapshot();
     let batches = run(&session.context, sql).await.expect("query runs");
     let spent = session.traffic.snapshot().since(&before);
