@@ -656,6 +656,9 @@ struct ResolvedBody {
     /// The encoded body (without join filters).
     body: Arc<Vec<u8>>,
     join_filter: Option<RegisteredJoinFilter>,
+    /// A star join whose build rows did not fit the fragment: its
+    /// operators, run here over the rows the nodes ship.
+    local: Option<Arc<dyn ExecutionPlan>>,
 }
 
 /// A join filter registered on the storage nodes for one execution of a
@@ -1092,6 +1095,7 @@ impl SieveScanExec {
         let waits = self.waits_for_join_filters();
         let star_join = self.star_join.clone();
         let build_context = Arc::clone(&context);
+        let local_context = Arc::clone(&context);
         let registration_nodes = self.registration_nodes();
         let registration_timeout = self.failover.timeout;
         let filter_bytes = builder().counter("join_filter_bytes_sent", partition);
@@ -1102,6 +1106,7 @@ impl SieveScanExec {
                     Arc::new(ResolvedBody {
                         body: Arc::clone(body),
                         join_filter: None,
+                        local: None,
                     })
                 };
                 if !waits {
@@ -1114,6 +1119,7 @@ impl SieveScanExec {
                             // A star join: its build sides' rows go into the
                             // fragment, with their key ranges.
                             let mut descriptions_first = Vec::new();
+                            let mut local = None;
                             let (base_body, predicate) = match &star_join {
                                 None => (base_body, predicate),
                                 Some(star) => {
@@ -1146,22 +1152,39 @@ impl SieveScanExec {
                                                 predicate.iter().cloned().chain(ranges),
                                             )
                                         });
-                                    let body = sieve_fragment::Fragment {
+                                    let pushed = sieve_fragment::Fragment {
                                         projection: shipped.clone(),
                                         predicate: predicate.clone(),
-                                        aggregate: Some(plan),
+                                        aggregate: Some(Arc::clone(&plan)),
                                     }
-                                    .encode_body(&table.schema)
-                                    .map_err(|error| {
-                                        DataFusionError::Execution(format!(
-                                            "star join: {} (SET sieve.star_join_pushdown = false runs its joins here)",
-                                            error.strip_backtrace()
-                                        ))
-                                    })?;
-                                    descriptions_first.push(format!(
-                                        "star join: {build_rows} build rows ({build_bytes} bytes) in a {}-byte fragment",
-                                        body.len()
-                                    ));
+                                    .encode_body(&table.schema);
+                                    let body = match pushed {
+                                        Ok(body) => {
+                                            descriptions_first.push(format!(
+                                                "star join: {build_rows} build rows ({build_bytes} bytes) in a {}-byte fragment",
+                                                body.len()
+                                            ));
+                                            body
+                                        }
+                                        // The build rows do not fit a
+                                        // fragment (the estimate was low):
+                                        // the nodes filter, the joins and
+                                        // the partial aggregation run here.
+                                        Err(error) => {
+                                            let body = sieve_fragment::Fragment {
+                                                projection: shipped.clone(),
+                                                predicate: predicate.clone(),
+                                                aggregate: None,
+                                            }
+                                            .encode_body(&table.schema)?;
+                                            descriptions_first.push(format!(
+                                                "star join run here: {build_rows} build rows ({build_bytes} bytes), {}",
+                                                error.strip_backtrace()
+                                            ));
+                                            local = Some(plan);
+                                            body
+                                        }
+                                    };
                                     (Arc::new(body), predicate)
                                 }
                             };
@@ -1176,6 +1199,13 @@ impl SieveScanExec {
                                 descriptions_first.into_iter().chain(descriptions).collect();
                             let note = |descriptions: Vec<String>| {
                                 *resolved_out.lock().expect("never poisoned") = descriptions;
+                            };
+                            let plain = |body: &Arc<Vec<u8>>| {
+                                Arc::new(ResolvedBody {
+                                    body: Arc::clone(body),
+                                    join_filter: None,
+                                    local: local.clone(),
+                                })
                             };
                             if conjuncts.is_empty() {
                                 note(descriptions);
@@ -1250,6 +1280,7 @@ impl SieveScanExec {
                             note(descriptions);
                             Ok::<_, DataFusionError>(Arc::new(ResolvedBody {
                                 body: base_body,
+                                local: local.clone(),
                                 join_filter: Some(RegisteredJoinFilter {
                                     id,
                                     filter,
@@ -1302,7 +1333,8 @@ impl SieveScanExec {
                     bytes_raw.clone(),
                     raw_completion.clone(),
                 );
-                stream::iter(units.clone())
+                let local = body.local.clone();
+                let inner = stream::iter(units.clone())
                     .map(move |unit| {
                         let mut envelope = FragmentEnvelope::new(
                             table_name.clone(),
@@ -1353,6 +1385,14 @@ impl SieveScanExec {
                             .try_flatten()
                     })
                     .flatten_unordered(slices_in_flight)
+                    .boxed();
+                match local {
+                    None => inner,
+                    Some(plan) => {
+                        crate::star_join::run_locally(inner, plan, Arc::clone(&local_context))
+                            .unwrap_or_else(|error| stream::once(async { Err(error) }).boxed())
+                    }
+                }
             })
             .try_flatten();
         let batches = parts.try_filter_map(move |part| {

@@ -448,3 +448,127 @@ pub(crate) fn with_build_rows(
         .data;
     Ok((plan, conjuncts))
 }
+
+/// A one-shot stream as a `PartitionStream`: the rows the storage nodes
+/// shipped for a star join run here.
+struct ShippedRows {
+    schema: arrow::datatypes::SchemaRef,
+    rows: std::sync::Mutex<Option<datafusion::execution::SendableRecordBatchStream>>,
+}
+
+impl std::fmt::Debug for ShippedRows {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("ShippedRows")
+    }
+}
+
+impl datafusion::physical_plan::streaming::PartitionStream for ShippedRows {
+    fn schema(&self) -> &arrow::datatypes::SchemaRef {
+        &self.schema
+    }
+
+    fn execute(
+        &self,
+        _context: Arc<datafusion::execution::TaskContext>,
+    ) -> datafusion::execution::SendableRecordBatchStream {
+        let taken = self.rows.lock().expect("never poisoned").take();
+        taken.unwrap_or_else(|| {
+            let error = datafusion::common::DataFusionError::Internal(
+                "a star join's shipped rows were read twice".to_string(),
+            );
+            Box::pin(
+                datafusion::physical_plan::stream::RecordBatchStreamAdapter::new(
+                    Arc::clone(&self.schema),
+                    futures::stream::once(async move { Err(error) }),
+                ),
+            )
+        })
+    }
+}
+
+/// Runs a star join's operators (`plan`, with its build rows in place) on
+/// this node over the rows the storage nodes shipped for a plain fragment:
+/// the fallback when the fragment with the build rows cannot be sent (over
+/// `sieve_fragment::FRAGMENT_BYTES_MAX`, say). `parts` are one partition's
+/// slice parts; their batches (shipped rows) go through one execution of
+/// the operators (one hash table per partition), the other parts pass on,
+/// and the operators' output follows as batches.
+pub(crate) fn run_locally(
+    parts: futures::stream::BoxStream<'static, Result<crate::client::SlicePart>>,
+    plan: Arc<dyn ExecutionPlan>,
+    context: Arc<datafusion::execution::TaskContext>,
+) -> Result<futures::stream::BoxStream<'static, Result<crate::client::SlicePart>>> {
+    use crate::client::SlicePart;
+    use futures::{SinkExt, StreamExt};
+
+    let mut leaf_schema = None;
+    plan.apply(|node| {
+        if node.downcast_ref::<SliceInputExec>().is_some() {
+            leaf_schema = Some(node.schema());
+        }
+        Ok(TreeNodeRecursion::Continue)
+    })?;
+    let Some(row_schema) = leaf_schema else {
+        return datafusion::common::internal_err!("a star join's operators read no slice");
+    };
+    let (sender, receiver) = futures::channel::mpsc::channel::<Result<RecordBatch>>(2);
+    let rows = ShippedRows {
+        schema: Arc::clone(&row_schema),
+        rows: std::sync::Mutex::new(Some(Box::pin(
+            datafusion::physical_plan::stream::RecordBatchStreamAdapter::new(
+                Arc::clone(&row_schema),
+                receiver,
+            ),
+        ))),
+    };
+    let leaf: Arc<dyn ExecutionPlan> = Arc::new(
+        datafusion::physical_plan::streaming::StreamingTableExec::try_new(
+            Arc::clone(&row_schema),
+            vec![Arc::new(rows)],
+            None,
+            vec![],
+            false,
+            None,
+        )?,
+    );
+    let plan = plan
+        .transform_up(|node| {
+            Ok(if node.downcast_ref::<SliceInputExec>().is_some() {
+                Transformed::yes(Arc::clone(&leaf))
+            } else {
+                Transformed::no(node)
+            })
+        })?
+        .data;
+    let output = plan
+        .execute(0, context)?
+        .map(|batch| batch.map(SlicePart::Batch));
+    // Batches into the operators, the rest on; the sender is dropped when
+    // the parts end, which ends the operators' input.
+    let forwarded =
+        futures::stream::unfold((parts, Some(sender)), move |(mut parts, mut sender)| {
+            let row_schema = Arc::clone(&row_schema);
+            async move {
+                loop {
+                    match parts.next().await {
+                        None => {
+                            drop(sender.take());
+                            return None;
+                        }
+                        Some(Ok(SlicePart::Batch(batch))) => {
+                            let widened = sieve_fragment::widen(batch, &row_schema);
+                            if let Some(sending) = sender.as_mut() {
+                                // The operators ended early (an error they
+                                // report themselves): nothing more to feed.
+                                if sending.send(widened).await.is_err() {
+                                    sender = None;
+                                }
+                            }
+                        }
+                        Some(other) => return Some((other, (parts, sender))),
+                    }
+                }
+            }
+        });
+    Ok(futures::stream::select(forwarded, output).boxed())
+}

@@ -377,3 +377,59 @@ async fn explain_shows_the_pushed_star_joins_and_turning_them_off_changes_no_row
         ["q1.1", "q1.2", "q1.3", "q2.1", "q2.2", "q2.3", "q3.1", "q3.2", "q3.3", "q3.4"]
     );
 }
+
+/// A star join whose build rows turn out too large for a fragment (the
+/// estimate said small: a computed wide payload) still answers: the nodes
+/// filter and ship rows, and the joins and the partial aggregation run on
+/// the compute node. Two sizes: past the fragment's byte limit, and past
+/// the allow-list's build-side limit. Against plain DataFusion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_star_join_too_large_for_a_fragment_runs_its_joins_on_the_compute_node() {
+    let root = test_data();
+    let names: Vec<&str> = Benchmark::Ssb
+        .tables()
+        .iter()
+        .map(|table| table.name)
+        .collect();
+    let reference = reference_context_for(&root, NODES, &names)
+        .await
+        .expect("reference context");
+    let cluster = EmbeddedCluster::start(&root, NODES).await.expect("nodes");
+    let session = cluster.session().await.expect("session");
+    // 20,000 parts with names repeated: about 8 MB and 20 MB of payload,
+    // estimated at 24 bytes a string.
+    for copies in [40, 100] {
+        let sql = format!(
+            "SELECT count(*) AS n, max(big) AS longest, sum(lo_revenue) AS revenue \
+             FROM lineorder JOIN (SELECT p_partkey, repeat(p_name, {copies}) AS big FROM part) p \
+             ON lo_partkey = p_partkey WHERE lo_discount < 5"
+        );
+        let explained = rows_as_text(
+            &run(&session.context, &format!("EXPLAIN {sql}"))
+                .await
+                .unwrap(),
+            false,
+        )
+        .unwrap()
+        .join("\n");
+        assert!(
+            explained.contains("pushed join: dimension(s) part"),
+            "{copies}: the star join is not pushed, nothing to test:\n{explained}"
+        );
+        let analyzed = rows_as_text(
+            &run(&session.context, &format!("EXPLAIN ANALYZE {sql}"))
+                .await
+                .unwrap(),
+            false,
+        )
+        .unwrap()
+        .join("\n");
+        assert!(
+            analyzed.contains("star join run here: 20000 build rows"),
+            "{copies}: the joins did not fall back to the compute node:\n{analyzed}"
+        );
+        let expected = rows_as_text(&run(&reference, &sql).await.unwrap(), false).unwrap();
+        let got = rows_as_text(&run(&session.context, &sql).await.unwrap(), false).unwrap();
+        assert_eq!(got, expected, "{copies}: differs from plain DataFusion");
+    }
+}
