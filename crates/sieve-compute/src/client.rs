@@ -332,8 +332,62 @@ impl StorageClient {
         id: &[u8],
         timeout: Duration,
     ) -> Result<()> {
+        self.register(
+            REGISTER_JOIN_FILTER_ACTION,
+            "join filter",
+            registration,
+            id,
+            timeout,
+        )
+        .await
+    }
+
+    /// Release one registration of the join filter `id` on this node.
+    pub async fn release_join_filter(&self, id: &[u8], timeout: Duration) -> Result<()> {
+        self.release(RELEASE_JOIN_FILTER_ACTION, "join filter", id, timeout)
+            .await
+    }
+
+    /// Register a fragment body (a compressed
+    /// [`sieve_fragment::FragmentBodyRegistration`] with id `id`) on this
+    /// node, within `timeout`.
+    pub async fn register_fragment_body(
+        &self,
+        registration: Vec<u8>,
+        id: &[u8],
+        timeout: Duration,
+    ) -> Result<()> {
+        self.register(
+            sieve_fragment::REGISTER_FRAGMENT_BODY_ACTION,
+            "fragment body",
+            registration,
+            id,
+            timeout,
+        )
+        .await
+    }
+
+    /// Release one registration of the fragment body `id` on this node.
+    pub async fn release_fragment_body(&self, id: &[u8], timeout: Duration) -> Result<()> {
+        self.release(
+            sieve_fragment::RELEASE_FRAGMENT_BODY_ACTION,
+            "fragment body",
+            id,
+            timeout,
+        )
+        .await
+    }
+
+    async fn register(
+        &self,
+        action: &str,
+        what: &str,
+        registration: Vec<u8>,
+        id: &[u8],
+        timeout: Duration,
+    ) -> Result<()> {
         let mut client = self.client.clone();
-        let action = arrow_flight::Action::new(REGISTER_JOIN_FILTER_ACTION, registration);
+        let action = arrow_flight::Action::new(action, registration);
         let answer = tokio::time::timeout(timeout, async {
             let mut results = client.do_action(action).await?.into_inner();
             results.message().await
@@ -341,34 +395,31 @@ impl StorageClient {
         .await
         .map_err(|_| {
             exec_datafusion_err!(
-                "join filter registration on {}: no answer within {} ms",
+                "{what} registration on {}: no answer within {} ms",
                 self.url,
                 timeout.as_millis()
             )
         })?
-        .map_err(|status| {
-            exec_datafusion_err!("join filter registration on {}: {status}", self.url)
-        })?;
+        .map_err(|status| exec_datafusion_err!("{what} registration on {}: {status}", self.url))?;
         match answer {
             Some(result) if result.body.as_ref() == id => Ok(()),
             _ => Err(exec_datafusion_err!(
-                "join filter registration on {}: the node answered another id",
+                "{what} registration on {}: the node answered another id",
                 self.url
             )),
         }
     }
 
-    /// Release one registration of the join filter `id` on this node.
-    pub async fn release_join_filter(&self, id: &[u8], timeout: Duration) -> Result<()> {
+    async fn release(&self, action: &str, what: &str, id: &[u8], timeout: Duration) -> Result<()> {
         let mut client = self.client.clone();
-        let action = arrow_flight::Action::new(RELEASE_JOIN_FILTER_ACTION, id.to_vec());
+        let action = arrow_flight::Action::new(action, id.to_vec());
         tokio::time::timeout(timeout, async {
             let mut results = client.do_action(action).await?.into_inner();
             results.message().await
         })
         .await
-        .map_err(|_| exec_datafusion_err!("join filter release on {}: no answer", self.url))?
-        .map_err(|status| exec_datafusion_err!("join filter release on {}: {status}", self.url))?;
+        .map_err(|_| exec_datafusion_err!("{what} release on {}: no answer", self.url))?
+        .map_err(|status| exec_datafusion_err!("{what} release on {}: {status}", self.url))?;
         Ok(())
     }
 
@@ -713,6 +764,14 @@ impl StorageClient {
             .metadata()
             .get(ERROR_KIND_METADATA)
             .and_then(|value| value.to_str().ok());
+        if status.code() == Code::FailedPrecondition
+            && kind == Some(sieve_fragment::BODY_NOT_HELD_KIND)
+        {
+            return sieve_fragment::BodyNotHeld {
+                message: format!("storage node {}: {}", self.url, status.message()),
+            }
+            .into_error();
+        }
         if status.code() == Code::DataLoss && kind == Some(CORRUPT_SLICE_KIND) {
             let file = status
                 .metadata()

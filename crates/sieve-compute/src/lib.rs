@@ -67,7 +67,7 @@ pub use failover::FailoverSettings;
 pub use join_filter::{JoinFilterSettings, JoinFilterSlot, KeyFilterSlot};
 pub use optimizer::{PushAggregateToStorage, WaitForJoinFilters};
 pub use range_store::{ClusterRangeStore, RANGE_REQUEST_TIMEOUT_MS};
-pub use scan::{PushedAggregate, ScanOptions, SieveScanExec};
+pub use scan::{PushedAggregate, ScanOptions, SieveScanExec, BODY_INLINE_BYTES_MAX};
 pub use session::{
     connect_session, connect_session_with_config, connect_session_with_tables,
     physical_rules_without_static_filter_pushdown, session_over, SieveSession,

@@ -659,6 +659,104 @@ struct ResolvedBody {
     /// A star join whose build rows did not fit the fragment: its
     /// operators, run here over the rows the nodes ship.
     local: Option<Arc<dyn ExecutionPlan>>,
+    /// The body, registered on the nodes that took it: requests name it
+    /// instead of carrying it.
+    registered_body: Option<Arc<RegisteredBody>>,
+}
+
+/// Largest fragment body sent inside every slice request; a larger one (a
+/// star join's, with its dimensions' rows) is registered on each node once
+/// and named by id.
+pub const BODY_INLINE_BYTES_MAX: usize = 16 * 1024;
+
+/// A fragment body registered on storage nodes for one execution of a
+/// scan; released on every node when the scan's plan is dropped (nodes
+/// also drop it once idle).
+struct RegisteredBody {
+    id: [u8; JOIN_FILTER_ID_BYTES],
+    nodes: Vec<StorageClient>,
+    traffic: Arc<Traffic>,
+    timeout: Duration,
+}
+
+impl fmt::Debug for RegisteredBody {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_struct("RegisteredBody")
+            .field("nodes", &self.nodes.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for RegisteredBody {
+    fn drop(&mut self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        for client in self.nodes.drain(..) {
+            let (id, timeout) = (self.id, self.timeout);
+            self.traffic.add_sent(id.len() as u64);
+            runtime.spawn(async move {
+                if let Err(error) = client.release_fragment_body(&id, timeout).await {
+                    log::debug!("{}", error.strip_backtrace());
+                }
+            });
+        }
+    }
+}
+
+/// Register `body` of `table` on `nodes` at once; the registration (None
+/// if no node took it) and a line for EXPLAIN ANALYZE. A node that missed
+/// it gets the body inline with each request.
+async fn register_body(
+    catalog: &ClusterCatalog,
+    traffic: &Arc<Traffic>,
+    table: &str,
+    body: &[u8],
+    nodes: &[usize],
+    timeout: Duration,
+) -> (Option<RegisteredBody>, String) {
+    let (registration, id) = match sieve_fragment::FragmentBodyRegistration::encode(table, body) {
+        Ok(encoded) => encoded,
+        Err(error) => {
+            return (
+                None,
+                format!("body sent with each request: {}", error.strip_backtrace()),
+            )
+        }
+    };
+    let sent = registration.len() as u64;
+    let registered = futures::future::join_all(nodes.iter().map(|&node| {
+        let client = catalog.clients[node].clone();
+        let registration = registration.clone();
+        traffic.add_sent(sent);
+        async move {
+            let result = client
+                .register_fragment_body(registration, &id, timeout)
+                .await;
+            (client, result)
+        }
+    }))
+    .await;
+    let mut held = Vec::new();
+    for (client, result) in registered {
+        match result {
+            Ok(()) => held.push(client),
+            Err(error) => log::warn!("{}", error.strip_backtrace()),
+        }
+    }
+    let note = format!(
+        "body registered on {} of {} nodes, {sent} bytes each, compressed",
+        held.len(),
+        nodes.len()
+    );
+    let registered = (!held.is_empty()).then(|| RegisteredBody {
+        id,
+        nodes: held,
+        traffic: Arc::clone(traffic),
+        timeout,
+    });
+    (registered, note)
 }
 
 /// A join filter registered on the storage nodes for one execution of a
@@ -1107,6 +1205,7 @@ impl SieveScanExec {
                         body: Arc::clone(body),
                         join_filter: None,
                         local: None,
+                        registered_body: None,
                     })
                 };
                 if !waits {
@@ -1120,6 +1219,7 @@ impl SieveScanExec {
                             // fragment, with their key ranges.
                             let mut descriptions_first = Vec::new();
                             let mut local = None;
+                            let mut registered_body = None;
                             let (base_body, predicate) = match &star_join {
                                 None => (base_body, predicate),
                                 Some(star) => {
@@ -1164,6 +1264,21 @@ impl SieveScanExec {
                                                 "star join: {build_rows} build rows ({build_bytes} bytes) in a {}-byte fragment",
                                                 body.len()
                                             ));
+                                            // Sent once per node, named
+                                            // in each request.
+                                            if body.len() > BODY_INLINE_BYTES_MAX {
+                                                let (registered, note) = register_body(
+                                                    &catalog,
+                                                    &traffic,
+                                                    &table.name,
+                                                    &body,
+                                                    &registration_nodes,
+                                                    registration_timeout,
+                                                )
+                                                .await;
+                                                registered_body = registered;
+                                                descriptions_first.push(note);
+                                            }
                                             body
                                         }
                                         // The build rows do not fit a
@@ -1200,11 +1315,13 @@ impl SieveScanExec {
                             let note = |descriptions: Vec<String>| {
                                 *resolved_out.lock().expect("never poisoned") = descriptions;
                             };
+                            let registered_body = registered_body.map(Arc::new);
                             let plain = |body: &Arc<Vec<u8>>| {
                                 Arc::new(ResolvedBody {
                                     body: Arc::clone(body),
                                     join_filter: None,
                                     local: local.clone(),
+                                    registered_body: registered_body.clone(),
                                 })
                             };
                             if conjuncts.is_empty() {
@@ -1281,6 +1398,7 @@ impl SieveScanExec {
                             Ok::<_, DataFusionError>(Arc::new(ResolvedBody {
                                 body: base_body,
                                 local: local.clone(),
+                                registered_body: registered_body.clone(),
                                 join_filter: Some(RegisteredJoinFilter {
                                     id,
                                     filter,
@@ -1355,12 +1473,51 @@ impl SieveScanExec {
                         if let Some(deleted) = &deleted {
                             envelope = envelope.with_deleted(deleted);
                         }
+                        let inline = body
+                            .registered_body
+                            .as_ref()
+                            .map(|registered| {
+                                let light = envelope.clone().with_registered_body(&registered.id);
+                                (prost::Message::encode_to_vec(&envelope), light)
+                            });
+                        if let Some((_, light)) = &inline {
+                            envelope = light.clone();
+                        }
                         let encoded = prost::Message::encode_to_vec(&envelope);
                         bytes_sent.add(encoded.len());
                         let (completion, body) = (completion.clone(), Arc::clone(&body));
                         let (slices_raw, bytes_raw, raw_completion) = raw_counters.clone();
                         // Raw pages become batches here, through the same fragment.
-                        request_slice(requests.clone(), unit.slice, encoded)
+                        let parts = match inline {
+                            None => request_slice(requests.clone(), unit.slice, encoded),
+                            // A node that does not hold the registered
+                            // body refuses before any row: the request
+                            // goes again with the body inline.
+                            Some((inline, _)) => {
+                                let (requests, slice, bytes_sent) =
+                                    (requests.clone(), unit.slice.clone(), bytes_sent.clone());
+                                let first = request_slice(requests.clone(), unit.slice, encoded);
+                                stream::once(async move {
+                                    let mut first = first.peekable();
+                                    let missing = matches!(
+                                        std::pin::Pin::new(&mut first).peek().await,
+                                        Some(Err(error)) if sieve_fragment::BodyNotHeld::is(error)
+                                    );
+                                    if missing {
+                                        log::info!(
+                                            "a node did not hold the registered fragment body; sent inline"
+                                        );
+                                        bytes_sent.add(inline.len());
+                                        request_slice(requests, slice, inline)
+                                    } else {
+                                        first.boxed()
+                                    }
+                                })
+                                .flatten()
+                                .boxed()
+                            }
+                        };
+                        parts
                             .map_ok(move |part| match part {
                                 SlicePart::Raw(pages) => {
                                     slices_raw.add(1);

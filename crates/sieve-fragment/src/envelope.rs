@@ -77,6 +77,11 @@ pub struct FragmentEnvelope {
     /// pushed aggregation.
     #[prost(bool, tag = "10")]
     pub row_positions: bool,
+    /// Id of a fragment body registered on the node
+    /// ([`crate::FragmentBodyRegistration`]) to run in place of `body`,
+    /// which is then empty; empty for none.
+    #[prost(bytes = "vec", tag = "11")]
+    pub body_id: Vec<u8>,
 }
 
 /// The shortest heartbeat interval a storage node honours, in milliseconds:
@@ -335,6 +340,13 @@ impl Fragment {
     /// Check the fragment against `schema` and the allow-list, then encode
     /// its body. The same checks run again on the storage node after decoding.
     pub fn encode_body(&self, schema: &Schema) -> Result<Vec<u8>> {
+        self.encode_body_within(schema, FRAGMENT_BYTES_MAX)
+    }
+
+    /// [`Fragment::encode_body`] for a body of at most `bytes_max` bytes (a
+    /// registered body may be larger than one sent in each request,
+    /// [`crate::REGISTERED_BODY_BYTES_MAX`]).
+    pub fn encode_body_within(&self, schema: &Schema, bytes_max: usize) -> Result<Vec<u8>> {
         check_projection(&self.projection, schema)?;
         let predicate = match &self.predicate {
             Some(predicate) => {
@@ -360,9 +372,9 @@ impl Fragment {
             aggregate,
         };
         let bytes = body.encode_to_vec();
-        if bytes.len() > FRAGMENT_BYTES_MAX {
+        if bytes.len() > bytes_max {
             return plan_err!(
-                "NDP fragment is {} bytes, above the limit of {FRAGMENT_BYTES_MAX}",
+                "NDP fragment is {} bytes, above the limit of {bytes_max}",
                 bytes.len()
             );
         }
@@ -384,7 +396,16 @@ impl FragmentEnvelope {
             heartbeat_ms: 0,
             deleted: vec![],
             row_positions: false,
+            body_id: vec![],
         }
+    }
+
+    /// This envelope naming the registered body `id` instead of carrying
+    /// its body.
+    pub fn with_registered_body(mut self, id: &[u8]) -> Self {
+        self.body = vec![];
+        self.body_id = id.to_vec();
+        self
     }
 
     /// This envelope leaving out the slice's deleted rows (a serialized
@@ -447,6 +468,12 @@ impl FragmentEnvelope {
         IpcCodec::from_wire(envelope.ipc_codec)?;
         if !envelope.join_filter.is_empty() {
             crate::join_filter_id(&envelope.join_filter)?;
+        }
+        if !envelope.body_id.is_empty() {
+            crate::join_filter_id(&envelope.body_id)?;
+            if !envelope.body.is_empty() {
+                return plan_err!("NDP fragment carries a body and names a registered one");
+            }
         }
         Ok(envelope)
     }

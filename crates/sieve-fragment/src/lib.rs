@@ -43,6 +43,7 @@ mod join_filter;
 mod like;
 mod limits;
 mod pruning;
+mod registered_body;
 mod slice_plan;
 mod unary;
 mod wire;
@@ -77,6 +78,10 @@ pub use limits::{
     EXPRESSION_NODES_MAX, LITERAL_BYTES_MAX,
 };
 pub use pruning::{pruning_predicate, reads_float_column};
+pub use registered_body::{
+    BodyNotHeld, FragmentBodyRegistration, BODY_NOT_HELD_KIND, REGISTERED_BODY_BYTES_MAX,
+    REGISTER_FRAGMENT_BODY_ACTION, RELEASE_FRAGMENT_BODY_ACTION,
+};
 pub use roaring::RoaringBitmap;
 pub use slice_plan::{needed_columns, slice_plan, SlicePlan, SliceSource, ROW_POSITION_COLUMN};
 pub use wire::{narrow, widen, wire_schema, wire_type};

@@ -30,13 +30,14 @@ use object_store::ObjectStore;
 use parquet::file::metadata::ParquetMetaData;
 use parquet::file::statistics::Statistics;
 use sieve_fragment::{
-    join_filter_id, narrow, needed_columns, slice_plan, wire_schema, DecodedBody, FragmentEnvelope,
-    IpcCodec, JoinFilterRegistration, SliceMetrics, SlicePlan, SliceSource, JOIN_FILTER_ID_BYTES,
+    join_filter_id, narrow, needed_columns, slice_plan, wire_schema, DecodedBody,
+    FragmentBodyRegistration, FragmentEnvelope, IpcCodec, JoinFilterRegistration, SliceMetrics,
+    SlicePlan, SliceSource, JOIN_FILTER_ID_BYTES,
 };
 
 use crate::cpu::thread_cpu_nanos;
 use crate::faults::Faults;
-use crate::join_filters::JoinFilterRegistry;
+use crate::join_filters::{BodyRegistry, JoinFilterRegistry};
 use crate::reader::SliceReaderFactory;
 use crate::{MatchHints, NodeCatalog};
 
@@ -118,6 +119,7 @@ pub struct SliceExecutor {
     fragments_decoded: AtomicU64,
     counters: NodeCounters,
     join_filters: JoinFilterRegistry,
+    bodies: BodyRegistry,
     faults: Arc<Faults>,
 }
 
@@ -192,6 +194,7 @@ impl SliceExecutor {
             fragments_decoded: AtomicU64::new(0),
             counters: NodeCounters::default(),
             join_filters: JoinFilterRegistry::default(),
+            bodies: BodyRegistry::default(),
             faults: Arc::new(Faults::new()),
         }
     }
@@ -221,6 +224,30 @@ impl SliceExecutor {
         let id = decoded.id;
         self.join_filters
             .register(decoded)
+            .map_err(|reason| plan_datafusion_err!("{reason}"))?;
+        Ok(id)
+    }
+
+    /// The fragment bodies registered on this node.
+    pub fn bodies(&self) -> &BodyRegistry {
+        &self.bodies
+    }
+
+    /// Decompress, decode, check (against its table's schema and the
+    /// allow-list, as a body in a request is) and keep a fragment body
+    /// registration (a compressed, encoded
+    /// `sieve_fragment::FragmentBodyRegistration`); returns its id.
+    pub fn register_fragment_body(&self, body: &[u8]) -> Result<[u8; JOIN_FILTER_ID_BYTES]> {
+        let (registration, id) = FragmentBodyRegistration::decode_checked(body)?;
+        let schema = Arc::clone(&self.catalog.table(&registration.table)?.schema);
+        let decoded = DecodedBody::decode(&registration.body, &schema, &self.task_context)?;
+        self.bodies
+            .insert(
+                id,
+                registration.table,
+                Arc::new(decoded),
+                registration.body.len(),
+            )
             .map_err(|reason| plan_datafusion_err!("{reason}"))?;
         Ok(id)
     }
@@ -375,6 +402,24 @@ impl SliceExecutor {
         // that missed the cache before the first had filled it (bodies are
         // bounded by the request limits; a decode usually takes well under
         // a millisecond).
+        if !envelope.body_id.is_empty() {
+            let id = join_filter_id(&envelope.body_id)?;
+            let held = if self.faults.fragment_bodies_forgotten() {
+                None
+            } else {
+                self.bodies
+                    .get(&id, &envelope.table)
+                    .map_err(|reason| plan_datafusion_err!("{reason}"))?
+            };
+            return match held {
+                Some(body) => Ok(body),
+                None => Err(sieve_fragment::BodyNotHeld {
+                    message: "the fragment body this request names is not registered on this node"
+                        .to_string(),
+                }
+                .into_error()),
+            };
+        }
         let mut cache = self.cache.lock().expect("cache lock is never poisoned");
         if let Some(found) = cache.get(&envelope.table, &envelope.body) {
             return Ok(found);

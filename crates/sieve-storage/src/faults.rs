@@ -39,6 +39,8 @@ pub struct Faults {
     messages_left: AtomicI64,
     /// Extra time each page read of a fragment takes, in microseconds.
     read_pace_micros: AtomicU64,
+    /// Registered fragment bodies are taken for missing (as after a restart).
+    bodies_forgotten: std::sync::atomic::AtomicBool,
     connections: Mutex<Vec<Weak<Wakers>>>,
     on_kill: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
 }
@@ -105,6 +107,17 @@ impl Faults {
             delay.as_micros().min(u128::from(u64::MAX)) as u64,
             Ordering::SeqCst,
         );
+    }
+
+    /// Take every registered fragment body for missing from now on (as a
+    /// node that restarted or evicted them would), or again not.
+    pub fn forget_fragment_bodies(&self, forget: bool) {
+        self.bodies_forgotten.store(forget, Ordering::SeqCst);
+    }
+
+    /// Whether registered fragment bodies are taken for missing.
+    pub(crate) fn fragment_bodies_forgotten(&self) -> bool {
+        self.bodies_forgotten.load(Ordering::Relaxed)
     }
 
     /// Wait out the read pace, if any.

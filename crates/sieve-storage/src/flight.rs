@@ -41,7 +41,8 @@ use sieve_format::writes::{REMOVE_SLICES_ACTION, RETAIN_SLICES_ACTION};
 use sieve_fragment::{
     classify_error, join_filter_id, ErrorKind, FragmentEnvelope, IpcCodec, SliceMessage,
     SliceMessageKind, SliceMetrics, CORRUPT_FILE_METADATA, CORRUPT_SLICE_KIND, ERROR_KIND_METADATA,
-    REGISTER_JOIN_FILTER_ACTION, RELEASE_JOIN_FILTER_ACTION,
+    REGISTER_FRAGMENT_BODY_ACTION, REGISTER_JOIN_FILTER_ACTION, RELEASE_FRAGMENT_BODY_ACTION,
+    RELEASE_JOIN_FILTER_ACTION,
 };
 use tonic::{Request, Response, Status, Streaming};
 
@@ -127,6 +128,14 @@ impl StorageFlightService {
 /// A page that failed its checksum is `DataLoss`, naming the slice file in
 /// [`CORRUPT_FILE_METADATA`]: this copy is damaged, another may not be.
 fn to_status(error: DataFusionError) -> Status {
+    if sieve_fragment::BodyNotHeld::is(&error) {
+        let mut status = Status::failed_precondition(clip(error.strip_backtrace()));
+        status.metadata_mut().insert(
+            ERROR_KIND_METADATA,
+            tonic::metadata::MetadataValue::from_static(sieve_fragment::BODY_NOT_HELD_KIND),
+        );
+        return status;
+    }
     if let Some(corruption) = sieve_format::find_page_corruption(&error) {
         return corrupt_status(corruption);
     }
@@ -442,11 +451,15 @@ impl FlightService for StorageFlightService {
                 stats["corrupt_slices"] = corrupt.into();
                 stats["unchecked_slices"] = unchecked.into();
                 stats["unreadable_slices"] = self.executor.catalog().unreadable().to_vec().into();
-                if let (Some(stats), serde_json::Value::Object(filters)) = (
-                    stats.as_object_mut(),
+                for registry in [
                     self.executor.join_filters().to_json(),
-                ) {
-                    stats.extend(filters);
+                    self.executor.bodies().to_json(),
+                ] {
+                    if let (Some(stats), serde_json::Value::Object(entries)) =
+                        (stats.as_object_mut(), registry)
+                    {
+                        stats.extend(entries);
+                    }
                 }
                 let body = stats.to_string();
                 let result = arrow_flight::Result {
@@ -462,6 +475,26 @@ impl FlightService for StorageFlightService {
                 })?;
                 let result = arrow_flight::Result {
                     body: id.to_vec().into(),
+                };
+                Ok(Response::new(Box::pin(stream::once(async { Ok(result) }))))
+            }
+            REGISTER_FRAGMENT_BODY_ACTION => {
+                let id = guarded("decoding a fragment body", || {
+                    self.executor
+                        .register_fragment_body(&action.body)
+                        .map_err(|error| Status::invalid_argument(clip(error.strip_backtrace())))
+                })?;
+                let result = arrow_flight::Result {
+                    body: id.to_vec().into(),
+                };
+                Ok(Response::new(Box::pin(stream::once(async { Ok(result) }))))
+            }
+            RELEASE_FRAGMENT_BODY_ACTION => {
+                let id = join_filter_id(&action.body)
+                    .map_err(|error| Status::invalid_argument(clip(error.strip_backtrace())))?;
+                let held = self.executor.bodies().release(&id);
+                let result = arrow_flight::Result {
+                    body: vec![u8::from(held)].into(),
                 };
                 Ok(Response::new(Box::pin(stream::once(async { Ok(result) }))))
             }
@@ -495,6 +528,7 @@ impl FlightService for StorageFlightService {
             other => Err(Status::unimplemented(clip(format!(
                 "action '{other}' is not supported (known: {STATS_ACTION}, \
                  {REGISTER_JOIN_FILTER_ACTION}, {RELEASE_JOIN_FILTER_ACTION}, \
+                 {REGISTER_FRAGMENT_BODY_ACTION}, {RELEASE_FRAGMENT_BODY_ACTION}, \
                  {REMOVE_SLICES_ACTION}, {RETAIN_SLICES_ACTION})"
             )))),
         }
@@ -516,6 +550,14 @@ impl FlightService for StorageFlightService {
             r#type: RELEASE_JOIN_FILTER_ACTION.to_string(),
             description: "release one registration of a join filter (body: its id)".to_string(),
         };
+        let register_body = ActionType {
+            r#type: REGISTER_FRAGMENT_BODY_ACTION.to_string(),
+            description: "keep a fragment body (a compressed FragmentBodyRegistration: a star join's, with its dimensions' rows) for the slice requests that name its id; answers the id".to_string(),
+        };
+        let release_body = ActionType {
+            r#type: RELEASE_FRAGMENT_BODY_ACTION.to_string(),
+            description: "release one registration of a fragment body (body: its id)".to_string(),
+        };
         let remove = ActionType {
             r#type: REMOVE_SLICES_ACTION.to_string(),
             description: "stop serving slices of a table a user owns and delete their files (JSON: table, slices)".to_string(),
@@ -525,7 +567,16 @@ impl FlightService for StorageFlightService {
             description: "keep only the listed slices of the tables users own (JSON: tables), deleting the rest".to_string(),
         };
         Ok(Response::new(Box::pin(stream::iter(
-            [stats, register, release, remove, retain].map(Ok),
+            [
+                stats,
+                register,
+                release,
+                register_body,
+                release_body,
+                remove,
+                retain,
+            ]
+            .map(Ok),
         ))))
     }
 

@@ -1,7 +1,8 @@
-//! The join filters registered on this node (see
-//! `sieve_fragment::JoinFilterRegistration`): kept decoded, by id, within a
-//! byte bound, until every registration of one is released or it has been
-//! idle past a timeout.
+//! What the compute node registers on this node once per query, kept
+//! decoded by id within a byte bound until every registration of one is
+//! released or it has been idle past a timeout: join filters (see
+//! `sieve_fragment::JoinFilterRegistration`) and fragment bodies (see
+//! `sieve_fragment::FragmentBodyRegistration`), one [`Registry`] each.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,18 +29,34 @@ const DECODED_BYTES_PER_BYTE: usize = 2;
 type Id = [u8; JOIN_FILTER_ID_BYTES];
 
 #[derive(Debug)]
-struct Entry {
+struct Entry<V> {
     table: String,
-    filter: Arc<dyn PhysicalExpr>,
+    value: V,
     charge: usize,
     registrations: u64,
     last_used: Instant,
 }
 
-/// The registry of one node.
+/// The join filters of one node.
+pub type JoinFilterRegistry = Registry<Arc<dyn PhysicalExpr>>;
+
+/// The fragment bodies registered on one node.
+pub type BodyRegistry = Registry<Arc<sieve_fragment::DecodedBody>>;
+
+/// Default bound on the bytes of registered fragment bodies a node keeps
+/// (charged at twice their encoded bytes: a body's rows decode to about
+/// their own size).
+pub const BODY_REGISTRY_BYTES_MAX: usize = 256 * 1024 * 1024;
+
+/// One node's registrations of one kind.
 #[derive(Debug)]
-pub struct JoinFilterRegistry {
-    entries: Mutex<Entries>,
+pub struct Registry<V> {
+    /// What it holds, for messages and the `stats` keys (`join_filter`:
+    /// `join_filters_held`, `join_filter_bytes_held`, ...).
+    kind: &'static str,
+    /// The plural of `kind`.
+    kinds: &'static str,
+    entries: Mutex<Entries<V>>,
     bytes_max: usize,
     idle_timeout: Duration,
     /// Registrations accepted, ever.
@@ -50,13 +67,22 @@ pub struct JoinFilterRegistry {
     missing: AtomicU64,
 }
 
-#[derive(Debug, Default)]
-struct Entries {
-    by_id: HashMap<Id, Entry>,
+#[derive(Debug)]
+struct Entries<V> {
+    by_id: HashMap<Id, Entry<V>>,
     bytes: usize,
 }
 
-impl Entries {
+impl<V> Default for Entries<V> {
+    fn default() -> Self {
+        Self {
+            by_id: HashMap::new(),
+            bytes: 0,
+        }
+    }
+}
+
+impl<V> Entries<V> {
     fn remove(&mut self, id: &Id) -> bool {
         match self.by_id.remove(id) {
             Some(entry) => {
@@ -69,10 +95,30 @@ impl Entries {
 }
 
 impl JoinFilterRegistry {
-    /// A registry keeping at most `bytes_max` bytes, dropping filters idle
-    /// for `idle_timeout`.
+    /// A registry of join filters keeping at most `bytes_max` bytes,
+    /// dropping filters idle for `idle_timeout`.
     pub fn new(bytes_max: usize, idle_timeout: Duration) -> Self {
+        Self::of("join_filter", "join_filters", bytes_max, idle_timeout)
+    }
+
+    /// Keep `filter`, or count one more registration of it.
+    pub fn register(&self, filter: DecodedJoinFilter) -> Result<(), String> {
+        self.insert(filter.id, filter.table, filter.filter, filter.bytes)
+    }
+}
+
+impl<V: Clone> Registry<V> {
+    /// A registry of `kind` keeping at most `bytes_max` bytes, dropping
+    /// entries idle for `idle_timeout`.
+    pub fn of(
+        kind: &'static str,
+        kinds: &'static str,
+        bytes_max: usize,
+        idle_timeout: Duration,
+    ) -> Self {
         Self {
+            kind,
+            kinds,
             entries: Mutex::new(Entries::default()),
             bytes_max,
             idle_timeout,
@@ -82,22 +128,23 @@ impl JoinFilterRegistry {
         }
     }
 
-    /// Keep `filter`, or count one more registration of it. A filter larger
-    /// than the whole bound is refused; otherwise the least recently used
-    /// filters make room.
-    pub fn register(&self, filter: DecodedJoinFilter) -> Result<(), String> {
-        let charge = filter.bytes.saturating_mul(DECODED_BYTES_PER_BYTE);
+    /// Keep `value` (`bytes` encoded) as `id` for `table`, or count one
+    /// more registration of it. One larger than the whole bound is refused;
+    /// otherwise the least recently used entries make room.
+    pub fn insert(&self, id: Id, table: String, value: V, bytes: usize) -> Result<(), String> {
+        let charge = bytes.saturating_mul(DECODED_BYTES_PER_BYTE);
         if charge > self.bytes_max {
             return Err(format!(
-                "join filter of {} bytes does not fit the node's bound of {} bytes",
-                filter.bytes, self.bytes_max
+                "{} of {bytes} bytes does not fit the node's bound of {} bytes",
+                self.kind.replace('_', " "),
+                self.bytes_max
             ));
         }
         let now = Instant::now();
         let mut entries = self.entries.lock().expect("never poisoned");
         self.expire(&mut entries, now);
         self.registered.fetch_add(1, Ordering::Relaxed);
-        if let Some(entry) = entries.by_id.get_mut(&filter.id) {
+        if let Some(entry) = entries.by_id.get_mut(&id) {
             entry.registrations += 1;
             entry.last_used = now;
             return Ok(());
@@ -116,10 +163,10 @@ impl JoinFilterRegistry {
         }
         entries.bytes += charge;
         entries.by_id.insert(
-            filter.id,
+            id,
             Entry {
-                table: filter.table,
-                filter: filter.filter,
+                table,
+                value,
                 charge,
                 registrations: 1,
                 last_used: now,
@@ -128,17 +175,18 @@ impl JoinFilterRegistry {
         Ok(())
     }
 
-    /// The filter `id` over `table`, if the node holds it; `None` counts a
-    /// miss. A filter registered for another table is an error.
-    pub fn get(&self, id: &Id, table: &str) -> Result<Option<Arc<dyn PhysicalExpr>>, String> {
+    /// The entry `id` over `table`, if the node holds it; `None` counts a
+    /// miss. One registered for another table is an error.
+    pub fn get(&self, id: &Id, table: &str) -> Result<Option<V>, String> {
         let mut entries = self.entries.lock().expect("never poisoned");
         match entries.by_id.get_mut(id) {
             Some(entry) if entry.table == table => {
                 entry.last_used = Instant::now();
-                Ok(Some(Arc::clone(&entry.filter)))
+                Ok(Some(entry.value.clone()))
             }
             Some(entry) => Err(format!(
-                "join filter was registered for table '{}', not '{table}'",
+                "{} was registered for table '{}', not '{table}'",
+                self.kind.replace('_', " "),
                 entry.table
             )),
             None => {
@@ -162,7 +210,7 @@ impl JoinFilterRegistry {
         true
     }
 
-    fn expire(&self, entries: &mut Entries, now: Instant) {
+    fn expire(&self, entries: &mut Entries<V>, now: Instant) {
         let expired: Vec<Id> = entries
             .by_id
             .iter()
@@ -179,19 +227,44 @@ impl JoinFilterRegistry {
     pub fn to_json(&self) -> serde_json::Value {
         let mut entries = self.entries.lock().expect("never poisoned");
         self.expire(&mut entries, Instant::now());
-        serde_json::json!({
-            "join_filters_held": entries.by_id.len(),
-            "join_filter_bytes_held": entries.bytes,
-            "join_filters_registered": self.registered.load(Ordering::Relaxed),
-            "join_filters_evicted": self.evicted.load(Ordering::Relaxed),
-            "join_filters_missing": self.missing.load(Ordering::Relaxed),
-        })
+        let (kind, kinds) = (self.kind, self.kinds);
+        let mut stats = serde_json::Map::new();
+        for (name, value) in [
+            (format!("{kinds}_held"), entries.by_id.len() as u64),
+            (format!("{kind}_bytes_held"), entries.bytes as u64),
+            (
+                format!("{kinds}_registered"),
+                self.registered.load(Ordering::Relaxed),
+            ),
+            (
+                format!("{kinds}_evicted"),
+                self.evicted.load(Ordering::Relaxed),
+            ),
+            (
+                format!("{kinds}_missing"),
+                self.missing.load(Ordering::Relaxed),
+            ),
+        ] {
+            stats.insert(name, value.into());
+        }
+        serde_json::Value::Object(stats)
     }
 }
 
 impl Default for JoinFilterRegistry {
     fn default() -> Self {
         Self::new(JOIN_FILTER_REGISTRY_BYTES_MAX, JOIN_FILTER_IDLE_TIMEOUT)
+    }
+}
+
+impl Default for BodyRegistry {
+    fn default() -> Self {
+        Self::of(
+            "fragment_body",
+            "fragment_bodies",
+            BODY_REGISTRY_BYTES_MAX,
+            JOIN_FILTER_IDLE_TIMEOUT,
+        )
     }
 }
 

@@ -47,7 +47,8 @@ pub use execute::{
 pub use faults::{Faults, FaultyStream};
 pub use flight::{StorageFlightService, STATS_ACTION};
 pub use join_filters::{
-    JoinFilterRegistry, JOIN_FILTER_IDLE_TIMEOUT, JOIN_FILTER_REGISTRY_BYTES_MAX,
+    BodyRegistry, JoinFilterRegistry, Registry, BODY_REGISTRY_BYTES_MAX, JOIN_FILTER_IDLE_TIMEOUT,
+    JOIN_FILTER_REGISTRY_BYTES_MAX,
 };
 pub use limits::{
     ConnectionLimits, GuardedStream, CONNECTIONS_MAX, FLIGHT_CONCURRENCY_PER_CONNECTION_MAX,

@@ -433,3 +433,76 @@ async fn a_star_join_too_large_for_a_fragment_runs_its_joins_on_the_compute_node
         assert_eq!(got, expected, "{copies}: differs from plain DataFusion");
     }
 }
+
+/// A star join's fragment, with its dimension's rows, is registered once
+/// on each node and named by id in each slice request, so the bytes sent
+/// to the nodes do not grow with the slices; a node that lost it (as after
+/// a restart) gets the body inline, with the same answer. Against plain
+/// DataFusion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_star_joins_body_is_sent_once_per_node_and_inline_to_a_node_that_lost_it() {
+    let root = test_data();
+    let names: Vec<&str> = Benchmark::Ssb
+        .tables()
+        .iter()
+        .map(|table| table.name)
+        .collect();
+    let reference = reference_context_for(&root, NODES, &names)
+        .await
+        .expect("reference context");
+    let cluster = EmbeddedCluster::start(&root, NODES).await.expect("nodes");
+    let session = cluster.session().await.expect("session");
+    // 20,000 parts with a name: a body of hundreds of kilobytes.
+    let sql = "SELECT count(*) AS n, max(name) AS longest, sum(lo_revenue) AS revenue \
+               FROM lineorder JOIN (SELECT p_partkey, p_name || '!' AS name FROM part) p \
+               ON lo_partkey = p_partkey WHERE lo_discount < 5";
+    let expected = rows_as_text(&run(&reference, sql).await.unwrap(), false).unwrap();
+    for forgotten in [false, true] {
+        for node in &cluster.nodes {
+            node.faults().forget_fragment_bodies(forgotten);
+        }
+        let before = session.traffic.snapshot();
+        let analyzed = rows_as_text(
+            &run(&session.context, &format!("EXPLAIN ANALYZE {sql}"))
+                .await
+                .unwrap(),
+            false,
+        )
+        .unwrap()
+        .join("\n");
+        let spent = session.traffic.snapshot().since(&before);
+        let body_bytes: u64 = analyzed
+            .split("-byte fragment")
+            .next()
+            .and_then(|head| head.rsplit(' ').next())
+            .and_then(|number| number.parse().ok())
+            .unwrap_or_else(|| panic!("no star join fragment in:\n{analyzed}"));
+        assert!(
+            body_bytes > sieve_compute::BODY_INLINE_BYTES_MAX as u64,
+            "a body of {body_bytes} bytes is sent inline anyway"
+        );
+        assert!(
+            analyzed.contains(&format!("body registered on {NODES} of {NODES} nodes")),
+            "{analyzed}"
+        );
+        let requests = spent.slices_requested;
+        assert!(requests >= 6, "{requests} slice requests");
+        if forgotten {
+            // Each request went twice: named, then inline.
+            assert!(
+                spent.bytes_sent > requests / 2 * body_bytes,
+                "{} bytes sent for {requests} requests of a {body_bytes}-byte body",
+                spent.bytes_sent
+            );
+        } else {
+            // The body once per node (compressed), not once per request.
+            assert!(
+                spent.bytes_sent < NODES as u64 * body_bytes + requests * 4096,
+                "{} bytes sent for {requests} requests of a {body_bytes}-byte body",
+                spent.bytes_sent
+            );
+        }
+        let got = rows_as_text(&run(&session.context, sql).await.unwrap(), false).unwrap();
+        assert_eq!(got, expected, "bodies forgotten: {forgotten}");
+    }
+}
