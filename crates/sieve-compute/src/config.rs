@@ -35,8 +35,11 @@ extensions_options! {
         /// nodes probe every dimension and aggregate.
         pub star_join_pushdown: bool, default = true
         /// Push a star join only if its build sides are estimated to hold at
-        /// most this many bytes in all (they travel in every slice request).
-        pub star_join_build_bytes_max: usize, default = 1024 * 1024
+        /// most this many bytes in all. The compute node collects them
+        /// either way (the joins it takes are collect-left); a body over
+        /// 16 KiB is registered once per node, and build rows that turn out
+        /// too large for a fragment run their joins here.
+        pub star_join_build_bytes_max: usize, default = 16 * 1024 * 1024
         /// Apply hash joins' build-side keys (range, IN list, Bloom filter)
         /// on the storage nodes of the probe side.
         pub join_filters: bool, default = true

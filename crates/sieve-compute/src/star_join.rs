@@ -19,7 +19,8 @@
 //! states. The final aggregation here merges them unchanged. A raw slice
 //! runs the same fragment here.
 //!
-//! Taken: collect-left hash joins, inner or right semi, without a residual
+//! Taken: collect-left and partitioned hash joins (a partitioned one runs
+//! collect-left over each slice), inner or right semi, without a residual
 //! filter, NULL keys matching nothing (what the allow-list runs), their build
 //! sides estimated under `sieve.star_join_build_bytes_max` bytes in all.
 //! Their results over a slice are the slice's share of the whole join, so
@@ -98,8 +99,12 @@ impl PhysicalOptimizerRule for PushStarJoinToStorage {
 /// Whether the storage node may run `join` over a slice (the allow-list's
 /// rule, checked here first so the plan is left alone otherwise).
 fn is_pushable(join: &HashJoinExec) -> bool {
-    *join.partition_mode() == PartitionMode::CollectLeft
-        && matches!(join.join_type(), JoinType::Inner | JoinType::RightSemi)
+    // A partitioned join runs collect-left in the fragment: each slice is
+    // probed against the whole build side, as the partitions together are.
+    matches!(
+        join.partition_mode(),
+        PartitionMode::CollectLeft | PartitionMode::Partitioned
+    ) && matches!(join.join_type(), JoinType::Inner | JoinType::RightSemi)
         && join.filter().is_none()
         && join.null_equality() == NullEquality::NullEqualsNothing
         && !join.null_aware
@@ -160,8 +165,12 @@ fn push_star_join(
             let passes_through = current
                 .downcast_ref::<RepartitionExec>()
                 .is_some_and(|repartition| {
-                    matches!(repartition.partitioning(), Partitioning::RoundRobinBatch(_))
-                        && !repartition.preserve_order()
+                    // Round robin, or by hash under a partitioned join's
+                    // probe side (the fragment's join is collect-left).
+                    matches!(
+                        repartition.partitioning(),
+                        Partitioning::RoundRobinBatch(_) | Partitioning::Hash(..)
+                    ) && !repartition.preserve_order()
                 })
                 || current.downcast_ref::<CoalescePartitionsExec>().is_some()
                 || current
@@ -264,8 +273,13 @@ fn push_star_join(
                     .map(|field| field.name().clone()),
             );
             builds.push(Arc::clone(join.left()));
-            input = Arc::clone(plan)
-                .replace_children(vec![empty_build(join.left())?, input], recompute())?;
+            input = Arc::new(
+                join.builder()
+                    .with_partition_mode(PartitionMode::CollectLeft)
+                    .reset_state()
+                    .with_new_children(vec![empty_build(join.left())?, input])?
+                    .build()?,
+            );
         } else {
             input = Arc::clone(plan).replace_children(vec![input], recompute())?;
         }
