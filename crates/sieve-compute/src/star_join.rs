@@ -22,7 +22,9 @@
 //! Taken: collect-left and partitioned hash joins (a partitioned one runs
 //! collect-left over each slice), inner or right semi, without a residual
 //! filter, NULL keys matching nothing (what the allow-list runs), their build
-//! sides estimated under `sieve.star_join_build_bytes_max` bytes in all.
+//! sides estimated under `sieve.star_join_build_bytes_max` bytes in all
+//! (and under `sieve.join_build_bytes_max`, what one join holds before it
+//! spills).
 //! Their results over a slice are the slice's share of the whole join, so
 //! merging the slices' partial states gives the unpushed plan's answer.
 
@@ -83,7 +85,13 @@ impl PhysicalOptimizerRule for PushStarJoinToStorage {
         if !settings.star_join_pushdown || !settings.aggregate_pushdown {
             return Ok(plan);
         }
-        plan.transform_up(|node| push_star_join(node, settings.star_join_build_bytes_max))
+        // The build sides are held whole, so within what one hash join may
+        // hold before it spills (0: it never spills).
+        let bytes_max = match settings.join_build_bytes_max {
+            0 => settings.star_join_build_bytes_max,
+            held => settings.star_join_build_bytes_max.min(held),
+        };
+        plan.transform_up(|node| push_star_join(node, bytes_max))
             .map(|transformed| transformed.data)
     }
 
