@@ -186,7 +186,7 @@ pub fn generated(
 /// The data enters as any user's does: storage nodes start over the
 /// directories (in this process), and each table is created with
 /// `CREATE TABLE name WITH (sort_key = its sort key, replicas, slice_rows,
-/// row_group_rows, page_rows) AS SELECT * FROM tpch('name', sf)` (or
+/// row_group_rows, page_rows, layout) AS SELECT * FROM tpch('name', sf)` (or
 /// `ssb(...)`): rows cut into slices, sent to the nodes with `DoPut` and
 /// committed in the catalog. The completion marker is written last. Runs on
 /// a thread and runtime of its own, so it may be called from anywhere.
@@ -225,7 +225,8 @@ pub fn load(
         for table in benchmark.tables() {
             let sql = format!(
                 "CREATE TABLE {name} WITH (sort_key = '{key}', replicas = {replicas}, \
-                 slice_rows = {slice_rows}, row_group_rows = {row_group_rows}, page_rows = {page_rows}) \
+                 slice_rows = {slice_rows}, row_group_rows = {row_group_rows}, page_rows = {page_rows}, \
+                 layout = '{column_layout}') \
                  AS SELECT * FROM {function}('{name}', {scale_factor})",
                 name = table.name,
                 key = table.sort_key,
@@ -233,6 +234,7 @@ pub fn load(
                 slice_rows = layout.slice_rows_max,
                 row_group_rows = layout.row_group_rows_max,
                 page_rows = layout.data_page_rows_max,
+                column_layout = if layout.planned { "planned" } else { "fixed" },
             );
             session.sql(&sql).await?.collect().await?;
         }
@@ -265,6 +267,7 @@ pub fn load(
         "slice_rows_max": layout.slice_rows_max,
         "row_group_rows_max": layout.row_group_rows_max,
         "data_page_rows_max": layout.data_page_rows_max,
+        "layout": if layout.planned { "planned" } else { "fixed" },
     });
     std::fs::write(
         root.join(LOAD_COMPLETE_MARKER),

@@ -92,6 +92,11 @@ enum Command {
         /// Rows per data page at most.
         #[arg(long, default_value_t = SliceLayout::default().data_page_rows_max)]
         page_rows: usize,
+        /// Column layout: `planned` (each table's encodings and codecs
+        /// chosen by measuring a sample of its rows) or `fixed` (dictionary
+        /// and zstd(1) on every column).
+        #[arg(long, default_value = "planned")]
+        layout: String,
     },
     /// Benchmark NDP on, NDP off and DuckDB side by side over an emulated link
     /// (one network namespace per storage node, shaped with tc; root only,
@@ -552,15 +557,26 @@ async fn run(cli: Cli) -> Result<()> {
             replicas,
             slice_rows,
             page_rows,
+            layout,
         } => {
             let Some(benchmark) = Benchmark::parse(&benchmark) else {
                 return datafusion::common::plan_err!(
                     "unknown benchmark '{benchmark}' (known: tpch, ssb)"
                 );
             };
+            let planned = match layout.as_str() {
+                "planned" => true,
+                "fixed" => false,
+                other => {
+                    return datafusion::common::plan_err!(
+                        "unknown layout '{other}' (known: planned, fixed)"
+                    )
+                }
+            };
             let layout = SliceLayout {
                 slice_rows_max: slice_rows,
                 data_page_rows_max: page_rows,
+                planned,
                 ..SliceLayout::default()
             };
             let started = std::time::Instant::now();

@@ -43,6 +43,10 @@ pub struct SliceLayout {
     pub data_page_bytes_max: usize,
     /// Target false-positive probability of the Bloom filters on key columns.
     pub bloom_filter_fpp: f64,
+    /// Whether a load through the write path plans each column's encoding
+    /// and codec from a sample ([`crate::planner`]); the properties
+    /// [`Self::writer_properties`] gives are the fixed layout either way.
+    pub planned: bool,
 }
 
 impl Default for SliceLayout {
@@ -53,6 +57,7 @@ impl Default for SliceLayout {
             data_page_rows_max: 4096,
             data_page_bytes_max: 256 * 1024,
             bloom_filter_fpp: 0.01,
+            planned: true,
         }
     }
 }

@@ -28,6 +28,7 @@ mod benchmark;
 mod catalog;
 mod checksum;
 mod layout;
+pub mod planner;
 pub mod ssb;
 mod tpch;
 pub mod writes;
@@ -42,6 +43,7 @@ pub use layout::{
     copy_slice, slice_file_name, write_slice, write_slice_with_properties, write_table_slice,
     SliceLayout, DISTINCT_COUNTS_KEY, TABLE_SLICES_KEY,
 };
+pub use planner::{LayoutPlan, PlannerSettings, LAYOUT_PLAN_KEY};
 pub use ssb::{SsbTable, SSB_TABLES};
 pub use tpch::{is_generated, slice_path, TpchTable, TPCH_TABLES};
 
@@ -49,8 +51,9 @@ pub use tpch::{is_generated, slice_path, TpchTable, TPCH_TABLES};
 /// considered complete and is generated again (version 2 added the per-column
 /// distinct counts, version 3 the page checksums or each slice's table slice count,
 /// version 4 both; version 5 loads TPC-H through the write path, into
-/// tables of the data set's catalog).
-pub const FORMAT_VERSION: u32 = 5;
+/// tables of the data set's catalog; version 6 plans each table's column
+/// layout, [`planner`]).
+pub const FORMAT_VERSION: u32 = 6;
 
 /// The table catalog's file in a data set's directory (beside the node
 /// directories): the SQLite database of the tables' versions.

@@ -221,6 +221,7 @@ impl FuzzSchema {
                 slice_rows: spec.slice_rows.iter().copied().max().unwrap_or(1).max(1) as u64,
                 row_group_rows: spec.layout.row_group_rows_max as u64,
                 page_rows: spec.layout.data_page_rows_max as u64,
+                planned: true,
             };
             let statement = format!("fuzz: load {}", spec.name);
             let (entry, _) = owned.store().create_table(

@@ -33,6 +33,7 @@ mod memory_bound;
 mod null_joins;
 mod owned_random;
 mod owned_tables;
+mod planned_layout;
 mod request_fuzz;
 mod serve_concurrency;
 mod serve_flight_sql;

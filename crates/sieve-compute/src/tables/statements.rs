@@ -209,11 +209,11 @@ fn layout_from(options: &CreateTableOptions, schema: &Schema, nodes: usize) -> R
     let options: &[SqlOption] = match options {
         CreateTableOptions::None => &[],
         CreateTableOptions::With(options) => options,
-        other => return plan_err!("table options '{other}' are not supported; use WITH (sort_key = '...', replicas = N, slice_rows = N, row_group_rows = N, page_rows = N)"),
+        other => return plan_err!("table options '{other}' are not supported; use WITH (sort_key = '...', replicas = N, slice_rows = N, row_group_rows = N, page_rows = N, layout = 'planned' | 'fixed')"),
     };
     for option in options {
         let SqlOption::KeyValue { key, value } = option else {
-            return plan_err!("table option '{option}' is not supported; use WITH (sort_key = '...', replicas = N, slice_rows = N, row_group_rows = N, page_rows = N)");
+            return plan_err!("table option '{option}' is not supported; use WITH (sort_key = '...', replicas = N, slice_rows = N, row_group_rows = N, page_rows = N, layout = 'planned' | 'fixed')");
         };
         let text = match value {
             SqlExpr::Value(value) => match &value.value {
@@ -279,9 +279,20 @@ fn layout_from(options: &CreateTableOptions, schema: &Schema, nodes: usize) -> R
                 }
                 layout.page_rows = rows;
             }
+            "layout" => {
+                layout.planned = match text.to_ascii_lowercase().as_str() {
+                    "planned" => true,
+                    "fixed" => false,
+                    _ => {
+                        return plan_err!(
+                            "layout must be 'planned' (each load measures its columns' encodings and codecs) or 'fixed' (dictionary and zstd everywhere), not '{text}'"
+                        )
+                    }
+                };
+            }
             other => {
                 return plan_err!(
-                    "unknown table option '{other}' (known: sort_key, replicas, slice_rows, row_group_rows, page_rows)"
+                    "unknown table option '{other}' (known: sort_key, replicas, slice_rows, row_group_rows, page_rows, layout)"
                 )
             }
         }

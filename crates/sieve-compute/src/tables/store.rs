@@ -48,6 +48,9 @@ pub const ROW_GROUP_ROWS_DEFAULT: u64 = 131_072;
 /// page skipping.
 pub const PAGE_ROWS_DEFAULT: u64 = 4096;
 
+/// Default of a table's `layout`: planned (see [`TableLayout::planned`]).
+pub(super) const LAYOUT_PLANNED_DEFAULT: bool = true;
+
 /// How a table is laid out on the nodes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TableLayout {
@@ -61,6 +64,11 @@ pub struct TableLayout {
     pub row_group_rows: u64,
     /// Rows per data page, at most.
     pub page_rows: u64,
+    /// Whether each load plans its columns' encodings and codecs from a
+    /// sample of its rows (`layout = 'planned'`, [`sieve_format::planner`])
+    /// instead of the fixed layout (`layout = 'fixed'`: dictionary and
+    /// zstd(1) everywhere).
+    pub planned: bool,
 }
 
 impl TableLayout {
@@ -72,6 +80,7 @@ impl TableLayout {
             slice_rows: SLICE_ROWS_DEFAULT,
             row_group_rows: ROW_GROUP_ROWS_DEFAULT,
             page_rows: PAGE_ROWS_DEFAULT,
+            planned: LAYOUT_PLANNED_DEFAULT,
         }
     }
 
@@ -82,6 +91,7 @@ impl TableLayout {
             slice_rows_max: usize::try_from(self.slice_rows).unwrap_or(usize::MAX),
             row_group_rows_max: usize::try_from(self.row_group_rows).unwrap_or(usize::MAX),
             data_page_rows_max: usize::try_from(self.page_rows).unwrap_or(usize::MAX),
+            planned: self.planned,
             ..default
         }
     }
@@ -255,7 +265,8 @@ impl TableStore {
                      created INTEGER,
                      dropped INTEGER,
                      row_group_rows INTEGER NOT NULL DEFAULT 131072,
-                     page_rows INTEGER NOT NULL DEFAULT 4096);
+                     page_rows INTEGER NOT NULL DEFAULT 4096,
+                     planned INTEGER NOT NULL DEFAULT 0);
                  CREATE UNIQUE INDEX IF NOT EXISTS live_table_names ON tables(name) WHERE dropped IS NULL;
                  CREATE TABLE IF NOT EXISTS slices(
                      slice INTEGER PRIMARY KEY,
@@ -458,7 +469,7 @@ impl TableStore {
         let connection = self.lock();
         let mut statement = connection
             .prepare(
-                "SELECT id, name, schema, sort_key, replicas, slice_rows, row_group_rows, page_rows FROM tables
+                "SELECT id, name, schema, sort_key, replicas, slice_rows, row_group_rows, page_rows, planned FROM tables
                  WHERE created IS NOT NULL AND created <= ?1 AND (dropped IS NULL OR dropped > ?1)",
             )
             .map_err(sql_error)?;
@@ -570,7 +581,7 @@ impl TableStore {
         let schema_bytes = encode_schema(schema)?;
         transaction
             .execute(
-                "INSERT INTO tables(name, schema, sort_key, replicas, slice_rows, created, row_group_rows, page_rows) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+                "INSERT INTO tables(name, schema, sort_key, replicas, slice_rows, created, row_group_rows, page_rows, planned) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
                 params![
                     name,
                     schema_bytes,
@@ -580,6 +591,7 @@ impl TableStore {
                     version.map(|version| version as i64),
                     layout.row_group_rows as i64,
                     layout.page_rows as i64,
+                    i64::from(layout.planned),
                 ],
             )
             .map_err(sql_error)?;
@@ -921,7 +933,7 @@ impl Drop for TableStore {
     }
 }
 
-type TableRow = (i64, String, Vec<u8>, String, i64, i64, i64, i64);
+type TableRow = (i64, String, Vec<u8>, String, i64, i64, i64, i64, i64);
 
 fn table_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<TableRow> {
     Ok((
@@ -933,11 +945,12 @@ fn table_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<TableRow> {
         row.get(5)?,
         row.get(6)?,
         row.get(7)?,
+        row.get(8)?,
     ))
 }
 
-/// Catalogs made before tables had `row_group_rows` and `page_rows` get
-/// the columns, with the defaults every table had then.
+/// Catalogs made before tables had `row_group_rows`, `page_rows` and
+/// `planned` get the columns, with the layout every table had then.
 fn add_layout_columns(connection: &Connection) -> Result<()> {
     let mut statement = connection
         .prepare("SELECT name FROM pragma_table_info('tables')")
@@ -950,6 +963,7 @@ fn add_layout_columns(connection: &Connection) -> Result<()> {
     for (column, default) in [
         ("row_group_rows", ROW_GROUP_ROWS_DEFAULT),
         ("page_rows", PAGE_ROWS_DEFAULT),
+        ("planned", 0),
     ] {
         if !columns.iter().any(|name| name == column) {
             connection
@@ -963,7 +977,7 @@ fn add_layout_columns(connection: &Connection) -> Result<()> {
 }
 
 fn decode_table(
-    (id, name, schema, sort_key, replicas, slice_rows, row_group_rows, page_rows): TableRow,
+    (id, name, schema, sort_key, replicas, slice_rows, row_group_rows, page_rows, planned): TableRow,
 ) -> Result<TableEntry> {
     Ok(TableEntry {
         id: id as u64,
@@ -976,6 +990,7 @@ fn decode_table(
             slice_rows: slice_rows as u64,
             row_group_rows: row_group_rows.max(1) as u64,
             page_rows: page_rows.max(1) as u64,
+            planned: planned != 0,
         },
     })
 }
@@ -1018,6 +1033,7 @@ mod tests {
             slice_rows: 10,
             row_group_rows: ROW_GROUP_ROWS_DEFAULT,
             page_rows: PAGE_ROWS_DEFAULT,
+            planned: false,
         }
     }
 

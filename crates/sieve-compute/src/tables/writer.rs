@@ -22,6 +22,8 @@ use datafusion::common::{exec_err, DataFusionError, Result};
 use parquet::schema::types::ColumnPath;
 use tokio::task::JoinHandle;
 
+use sieve_format::{LayoutPlan, PlannerSettings};
+
 use super::{Change, OwnedTables, TableEntry, WrittenSlice};
 
 /// Arrow memory one slice may hold before it is written, whatever its rows.
@@ -48,8 +50,15 @@ pub struct TableWriter {
     rows: u64,
     /// Where the next slice's first copy goes.
     next_node: usize,
+    /// The layout plan of this statement's slices, made from the first
+    /// slice written (`layout = 'planned'` tables).
+    plan: SharedPlan,
     finished: bool,
 }
+
+/// A statement's layout plan: `None` until its first slice plans it, then
+/// the plan (`None` inside: too few rows to plan on, the fixed layout).
+type SharedPlan = Arc<std::sync::Mutex<Option<Option<Arc<LayoutPlan>>>>>;
 
 impl std::fmt::Debug for TableWriter {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -79,6 +88,7 @@ impl TableWriter {
             reserved: Vec::new(),
             rows: 0,
             next_node,
+            plan: SharedPlan::default(),
             finished: false,
         }
     }
@@ -160,8 +170,9 @@ impl TableWriter {
         let tables = Arc::clone(&self.tables);
         let table = self.table.clone();
         let schema = Arc::clone(&self.schema);
+        let plan = Arc::clone(&self.plan);
         self.pending.push_back(tokio::spawn(async move {
-            write_slice(tables, table, schema, batches, slice, nodes).await
+            write_slice(tables, table, schema, batches, slice, nodes, plan).await
         }));
         Ok(())
     }
@@ -269,6 +280,43 @@ impl Drop for TableWriter {
     }
 }
 
+/// The statement's layout plan: the one made already, or one made now from
+/// `batches` (sorted as the slice is). Slices encoded at once wait for the
+/// first to plan, so every slice of a statement has the same layout.
+fn statement_plan(
+    shared: &SharedPlan,
+    table: &TableEntry,
+    schema: &SchemaRef,
+    batches: &[RecordBatch],
+) -> Result<Option<Arc<LayoutPlan>>> {
+    let mut shared = shared
+        .lock()
+        .map_err(|_| DataFusionError::Internal("a slice writer panicked while planning".into()))?;
+    if let Some(plan) = shared.as_ref() {
+        return Ok(plan.clone());
+    }
+    let settings = PlannerSettings {
+        page_rows: usize::try_from(table.layout.page_rows).unwrap_or(usize::MAX),
+        ..PlannerSettings::default()
+    };
+    let planning = |error: parquet::errors::ParquetError| {
+        DataFusionError::Execution(format!("planning the layout of '{}': {error}", table.name))
+    };
+    let sample = sieve_format::planner::sample(schema, batches, &settings).map_err(planning)?;
+    let mut bloom_columns: Vec<String> = schema
+        .fields()
+        .iter()
+        .map(|field| field.name().clone())
+        .filter(|name| name.ends_with("key"))
+        .collect();
+    bloom_columns.extend(table.layout.sort_key.iter().cloned());
+    let plan = sieve_format::planner::plan_layout(&sample, &bloom_columns, &settings)
+        .map_err(planning)?
+        .map(Arc::new);
+    *shared = Some(plan.clone());
+    Ok(plan)
+}
+
 /// Sort, encode and send one slice; returns what the commit records.
 async fn write_slice(
     tables: Arc<OwnedTables>,
@@ -277,6 +325,7 @@ async fn write_slice(
     batches: Vec<RecordBatch>,
     slice: u32,
     nodes: Vec<usize>,
+    plan: SharedPlan,
 ) -> Result<WrittenSlice> {
     let storage_name = table.storage_name();
     let staging = tables.staging().to_path_buf();
@@ -301,6 +350,16 @@ async fn write_slice(
                 properties = properties
                     .set_column_bloom_filter_enabled(column.clone(), true)
                     .set_column_bloom_filter_fpp(column, layout.bloom_filter_fpp);
+            }
+            if table.layout.planned {
+                if let Some(plan) = statement_plan(&plan, &table, &schema, &batches)? {
+                    properties = plan.apply(properties).set_key_value_metadata(Some(vec![
+                        parquet::file::metadata::KeyValue::new(
+                            sieve_format::LAYOUT_PLAN_KEY.to_string(),
+                            plan.to_json(),
+                        ),
+                    ]));
+                }
             }
             sieve_format::write_slice_with_properties(
                 &path,
