@@ -273,7 +273,11 @@ pub fn plan_layout(
     let schema = sample.schema();
     // Tables hold no nested columns; a schema with one is left to the fixed
     // layout (its leaves do not line up with the top-level columns).
-    if schema.fields().iter().any(|field| field.data_type().is_nested()) {
+    if schema
+        .fields()
+        .iter()
+        .any(|field| field.data_type().is_nested())
+    {
         return Ok(None);
     }
     let descriptor = ArrowSchemaConverter::new().convert(&schema)?;
@@ -454,7 +458,9 @@ mod tests {
     fn a_sample_takes_whole_runs_spread_over_the_batches() {
         let batch = table(100_000);
         let schema = batch.schema();
-        let batches: Vec<_> = (0..10).map(|part| batch.slice(part * 10_000, 10_000)).collect();
+        let batches: Vec<_> = (0..10)
+            .map(|part| batch.slice(part * 10_000, 10_000))
+            .collect();
         let settings = PlannerSettings {
             sample_rows: 16_384,
             page_rows: 4096,
@@ -488,10 +494,19 @@ mod tests {
         )
         .unwrap()
         .expect("20,000 rows are planned");
-        let names: Vec<_> = plan.columns.iter().map(|plan| plan.column.as_str()).collect();
+        let names: Vec<_> = plan
+            .columns
+            .iter()
+            .map(|plan| plan.column.as_str())
+            .collect();
         // Booleans keep the fixed layout.
         assert_eq!(names, ["o_orderkey", "o_status", "o_price"]);
-        let column = |name: &str| plan.columns.iter().find(|plan| plan.column == name).unwrap();
+        let column = |name: &str| {
+            plan.columns
+                .iter()
+                .find(|plan| plan.column == name)
+                .unwrap()
+        };
         // Distinct keys in steps of 4: no dictionary can hold them in fewer
         // bytes than their deltas.
         assert_ne!(column("o_orderkey").encoding, ColumnEncoding::Dictionary);
@@ -502,12 +517,16 @@ mod tests {
         for plan in &plan.columns {
             assert!(plan.bytes_per_row > 0.0 && plan.fixed_bytes_per_row > 0.0);
             assert!(plan.decode_ns_per_row > 0.0 && plan.fixed_decode_ns_per_row > 0.0);
-            let cost = |bytes: f64, ns: f64| bytes / PlannerSettings::default().read_bytes_per_second * 1e9 + ns;
+            let cost = |bytes: f64, ns: f64| {
+                bytes / PlannerSettings::default().read_bytes_per_second * 1e9 + ns
+            };
             // The choice costs at most the tie above the fixed layout's
             // (measured in the same run, as one of the candidates).
             assert!(
                 cost(plan.bytes_per_row, plan.decode_ns_per_row)
-                    <= cost(plan.fixed_bytes_per_row, plan.fixed_decode_ns_per_row) * COST_TIE * 1.0001,
+                    <= cost(plan.fixed_bytes_per_row, plan.fixed_decode_ns_per_row)
+                        * COST_TIE
+                        * 1.0001,
                 "{plan:?}"
             );
         }
@@ -548,7 +567,8 @@ mod tests {
                     .build();
                 let mut buffer = Vec::new();
                 let mut writer =
-                    ArrowWriter::try_new(&mut buffer, Arc::clone(&schema), Some(properties)).unwrap();
+                    ArrowWriter::try_new(&mut buffer, Arc::clone(&schema), Some(properties))
+                        .unwrap();
                 writer.write(&batch).unwrap();
                 writer.close().unwrap();
                 let reader = ParquetRecordBatchReaderBuilder::try_new(bytes::Bytes::from(buffer))

@@ -53,7 +53,11 @@ fn rows(random: &mut Random) -> RecordBatch {
         Field::new("status", DataType::Utf8, true),
         Field::new("comment", DataType::Utf8, true),
         Field::new("day", DataType::Date32, true),
-        Field::new("seen", DataType::Timestamp(TimeUnit::Microsecond, None), true),
+        Field::new(
+            "seen",
+            DataType::Timestamp(TimeUnit::Microsecond, None),
+            true,
+        ),
         Field::new("flag", DataType::Boolean, true),
     ]));
     let mut null = |every: u64| random.below(every) == 0;
@@ -81,9 +85,10 @@ fn rows(random: &mut Random) -> RecordBatch {
             .unwrap(),
         ),
         Arc::new(
-            Decimal128Array::from_iter((0..ROWS).map(|_| {
-                (!null(13)).then(|| values.below(u64::MAX / 2) as i128 * 1_000_003)
-            }))
+            Decimal128Array::from_iter(
+                (0..ROWS)
+                    .map(|_| (!null(13)).then(|| values.below(u64::MAX / 2) as i128 * 1_000_003)),
+            )
             .with_precision_and_scale(30, 4)
             .unwrap(),
         ),
@@ -196,8 +201,10 @@ async fn planned_tables_equal_plain_datafusion_and_record_their_plan() {
     // Three slices of the planned table, each with the same plan, and the
     // encodings and codecs it names in the file itself.
     let planned = slice_files(&root, "planned_t");
-    let slices: std::collections::BTreeSet<_> =
-        planned.iter().map(|path| path.file_name().unwrap()).collect();
+    let slices: std::collections::BTreeSet<_> = planned
+        .iter()
+        .map(|path| path.file_name().unwrap())
+        .collect();
     // Each of the three slices on two nodes (the default replicas).
     assert_eq!((slices.len(), planned.len()), (3, 6), "{planned:?}");
     let mut plans = Vec::new();
@@ -235,13 +242,12 @@ async fn planned_tables_equal_plain_datafusion_and_record_their_plan() {
                 sieve_format::planner::ColumnEncoding::DeltaLengthByteArray => {
                     Encoding::DELTA_LENGTH_BYTE_ARRAY
                 }
-                sieve_format::planner::ColumnEncoding::DeltaByteArray => {
-                    Encoding::DELTA_BYTE_ARRAY
-                }
+                sieve_format::planner::ColumnEncoding::DeltaByteArray => Encoding::DELTA_BYTE_ARRAY,
             };
             // A dictionary that outgrows its page falls back to plain, in
             // the planner's measurement as in the slice.
-            let fell_back = expected == Encoding::RLE_DICTIONARY && encodings.contains(&Encoding::PLAIN);
+            let fell_back =
+                expected == Encoding::RLE_DICTIONARY && encodings.contains(&Encoding::PLAIN);
             assert!(
                 encodings.contains(&expected) || fell_back,
                 "{column:?}: {encodings:?}"
@@ -274,8 +280,7 @@ async fn planned_tables_equal_plain_datafusion_and_record_their_plan() {
     let error = session
         .sql("CREATE TABLE bad_t (a INT) WITH (layout = 'sideways')")
         .await
-        .err()
-        .expect("an unknown layout is refused")
+        .expect_err("an unknown layout is refused")
         .to_string();
     assert!(error.contains("layout must be 'planned'"), "{error}");
 
