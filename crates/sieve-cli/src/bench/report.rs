@@ -408,6 +408,11 @@ impl BenchReport {
                 others.concat()
             ));
         }
+        if self.queries.is_empty() {
+            // Totals over no query would read as zeros.
+            out.push_str("\nNo query completed in every mode: no totals.\n");
+            return out;
+        }
         let totals = self.totals();
         out.push_str(&row(
             "total",

@@ -368,4 +368,9 @@ fn when_one_mode_fails_a_query_the_other_modes_times_are_kept() {
     assert_eq!(others[0][0], "off");
     assert!(others[0][1].as_f64().unwrap() > 0.0, "{others:?}");
     assert!(report["queries"].as_array().expect("queries").is_empty());
+    // No query ran in every mode: no totals row of zeros.
+    assert!(
+        stdout.contains("No query completed in every mode") && !stdout.contains("| total |"),
+        "{stdout}"
+    );
 }

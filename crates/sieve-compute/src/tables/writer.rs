@@ -299,10 +299,6 @@ fn statement_plan(
         page_rows: usize::try_from(table.layout.page_rows).unwrap_or(usize::MAX),
         ..PlannerSettings::default()
     };
-    let planning = |error: parquet::errors::ParquetError| {
-        DataFusionError::Execution(format!("planning the layout of '{}': {error}", table.name))
-    };
-    let sample = sieve_format::planner::sample(schema, batches, &settings).map_err(planning)?;
     let mut bloom_columns: Vec<String> = schema
         .fields()
         .iter()
@@ -310,9 +306,20 @@ fn statement_plan(
         .filter(|name| name.ends_with("key"))
         .collect();
     bloom_columns.extend(table.layout.sort_key.iter().cloned());
-    let plan = sieve_format::planner::plan_layout(&sample, &bloom_columns, &settings)
-        .map_err(planning)?
-        .map(Arc::new);
+    let planned = sieve_format::planner::sample(schema, batches, &settings)
+        .and_then(|sample| sieve_format::planner::plan_layout(&sample, &bloom_columns, &settings));
+    // A plan is an optimisation: where the planner cannot plan, the load
+    // goes on in the fixed layout.
+    let plan = match planned {
+        Ok(plan) => plan.map(Arc::new),
+        Err(error) => {
+            log::warn!(
+                "the layout of '{}' could not be planned ({error}); its slices take the fixed layout",
+                table.name
+            );
+            None
+        }
+    };
     *shared = Some(plan.clone());
     Ok(plan)
 }
