@@ -528,6 +528,27 @@ pub(crate) fn table_statistics(schema: &SchemaRef, slices: &[ClusterSlice]) -> S
                 statistics.min_value = min.map(Precision::Inexact).unwrap_or(Precision::Absent);
                 statistics.max_value = max.map(Precision::Inexact).unwrap_or(Precision::Absent);
             }
+            // The column's Arrow size, as DataFusion's Parquet source
+            // estimates it: exact for fixed widths, the pages' bytes before
+            // compression otherwise. Join sides are chosen by it, not by
+            // the whole file's compressed bytes.
+            statistics.byte_size = match field.data_type().primitive_width() {
+                Some(width) => Precision::Inexact(width * rows as usize),
+                None => slices
+                    .iter()
+                    .map(|slice| {
+                        slice
+                            .summary
+                            .columns
+                            .get(index)
+                            .and_then(|column| column.uncompressed_bytes)
+                    })
+                    .sum::<Option<u64>>()
+                    .filter(|_| !slices.is_empty())
+                    .map_or(Precision::Absent, |bytes| {
+                        Precision::Inexact(bytes as usize)
+                    }),
+            };
             statistics
         })
         .collect();

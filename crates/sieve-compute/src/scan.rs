@@ -1091,11 +1091,33 @@ impl ExecutionPlan for SieveScanExec {
             statistics.total_byte_size = statistics
                 .total_byte_size
                 .with_estimated_selectivity(fraction);
+            for column in &mut statistics.column_statistics {
+                column.byte_size = column.byte_size.with_estimated_selectivity(fraction);
+            }
         }
         if self.output_no_columns {
             statistics.column_statistics.clear();
         } else {
             statistics = statistics.project(Some(&self.shipped));
+            // What the scan yields is the shipped columns: their Arrow
+            // size where every one is known (a hash join builds on the
+            // smaller side by it), not the table's file bytes. The
+            // per-column sizes stay here: DataFusion 55 gives a semi or anti
+            // join's output a byte size from them (where it has none
+            // otherwise), assuming every outer row passes when it cannot
+            // estimate, and that output then looked larger than a fact
+            // table (TPC-H Q21 at SF 10 built its anti join on lineitem).
+            if let Some(bytes) = statistics
+                .column_statistics
+                .iter()
+                .map(|column| column.byte_size.get_value().copied())
+                .sum::<Option<usize>>()
+            {
+                statistics.total_byte_size = datafusion::common::stats::Precision::Inexact(bytes);
+            }
+            for column in &mut statistics.column_statistics {
+                column.byte_size = datafusion::common::stats::Precision::Absent;
+            }
         }
         Ok(Arc::new(statistics))
     }

@@ -22,6 +22,11 @@ pub struct ColumnSummary {
     /// Number of distinct values (NULL counts as one), if known.
     #[serde(default)]
     pub distinct_count: Option<u64>,
+    /// Bytes of the column's pages before compression, over the slice (an
+    /// estimate of its Arrow size where the type has no fixed width), if
+    /// known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uncompressed_bytes: Option<u64>,
 }
 
 /// One slice of a table as a storage node describes it.

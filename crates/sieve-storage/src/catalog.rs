@@ -538,6 +538,19 @@ fn table_slices(metadata: &ParquetMetaData) -> Option<u32> {
         .ok()
 }
 
+/// Bytes of the pages of top-level column `name` before compression, over
+/// all row groups.
+fn uncompressed_bytes(name: &str, metadata: &ParquetMetaData) -> Option<u64> {
+    let descriptor = metadata.file_metadata().schema_descr();
+    let index = (0..descriptor.num_columns())
+        .find(|&index| descriptor.column(index).path().parts() == [name.to_string()])?;
+    metadata
+        .row_groups()
+        .iter()
+        .map(|group| u64::try_from(group.column(index).uncompressed_size()).ok())
+        .sum()
+}
+
 /// Min, max and NULL count of one column over all row groups of a slice.
 fn column_summary(name: &str, schema: &SchemaRef, metadata: &ParquetMetaData) -> ColumnSummary {
     let mut summary = ColumnSummary {
@@ -546,6 +559,7 @@ fn column_summary(name: &str, schema: &SchemaRef, metadata: &ParquetMetaData) ->
         max: None,
         null_count: None,
         distinct_count: None,
+        uncompressed_bytes: uncompressed_bytes(name, metadata),
     };
     let Ok(converter) =
         StatisticsConverter::try_new(name, schema, metadata.file_metadata().schema_descr())
