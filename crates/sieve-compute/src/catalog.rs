@@ -534,14 +534,22 @@ pub(crate) fn table_statistics(schema: &SchemaRef, slices: &[ClusterSlice]) -> S
             // the whole file's compressed bytes.
             statistics.byte_size = match field.data_type().primitive_width() {
                 Some(width) => Precision::Inexact(width * rows as usize),
+                // For a dictionary-encoded string those bytes are the
+                // dictionary and the indexes, far under the strings: the
+                // estimate is at least the slice's rows times the mean
+                // length of its smallest and largest value, plus an offset.
                 None => slices
                     .iter()
                     .map(|slice| {
-                        slice
-                            .summary
-                            .columns
-                            .get(index)
-                            .and_then(|column| column.uncompressed_bytes)
+                        let column = slice.summary.columns.get(index)?;
+                        let pages = column.uncompressed_bytes?;
+                        let values = match (&column.min, &column.max) {
+                            (Some(min), Some(max)) => {
+                                slice.summary.rows * ((min.len() + max.len()) as u64 / 2 + 4)
+                            }
+                            _ => 0,
+                        };
+                        Some(pages.max(values))
                     })
                     .sum::<Option<u64>>()
                     .filter(|_| !slices.is_empty())
