@@ -533,7 +533,7 @@ pub(crate) fn table_statistics(schema: &SchemaRef, slices: &[ClusterSlice]) -> S
             // compression otherwise. Join sides are chosen by it, not by
             // the whole file's compressed bytes.
             statistics.byte_size = match field.data_type().primitive_width() {
-                Some(width) => Precision::Inexact(width * rows as usize),
+                Some(width) => Precision::Inexact(width.saturating_mul(rows as usize)),
                 // For a dictionary-encoded string those bytes are the
                 // dictionary and the indexes, far under the strings: the
                 // estimate is at least the slice's rows times the mean
@@ -544,14 +544,17 @@ pub(crate) fn table_statistics(schema: &SchemaRef, slices: &[ClusterSlice]) -> S
                         let column = slice.summary.columns.get(index)?;
                         let pages = column.uncompressed_bytes?;
                         let values = match (&column.min, &column.max) {
-                            (Some(min), Some(max)) => {
-                                slice.summary.rows * ((min.len() + max.len()) as u64 / 2 + 4)
-                            }
+                            (Some(min), Some(max)) => slice
+                                .summary
+                                .rows
+                                .saturating_mul((min.len() + max.len()) as u64 / 2 + 4),
                             _ => 0,
                         };
                         Some(pages.max(values))
                     })
-                    .sum::<Option<u64>>()
+                    // Sizes from the nodes' summaries: a damaged one must
+                    // not overflow.
+                    .try_fold(0u64, |total, bytes| Some(total.saturating_add(bytes?)))
                     .filter(|_| !slices.is_empty())
                     .map_or(Precision::Absent, |bytes| {
                         Precision::Inexact(bytes as usize)

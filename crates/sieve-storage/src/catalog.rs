@@ -548,7 +548,7 @@ fn uncompressed_bytes(name: &str, metadata: &ParquetMetaData) -> Option<u64> {
         .row_groups()
         .iter()
         .map(|group| u64::try_from(group.column(index).uncompressed_size()).ok())
-        .sum()
+        .try_fold(0u64, |total, bytes| Some(total.saturating_add(bytes?)))
 }
 
 /// Min, max and NULL count of one column over all row groups of a slice.

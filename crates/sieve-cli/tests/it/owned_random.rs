@@ -12,10 +12,9 @@ use std::sync::Arc;
 
 use arrow::datatypes::{DataType, Field, Schema};
 use datafusion::datasource::MemTable;
-use datafusion::prelude::{SessionConfig, SessionContext};
-use sieve_cli::cluster::EmbeddedCluster;
+use datafusion::prelude::SessionContext;
 use sieve_cli::compare::{rows_as_text, run};
-use sieve_compute::{connect_session_with_tables, SieveSession};
+use sieve_compute::SieveSession;
 use sieve_format::node_directory;
 
 use crate::common::Random;
@@ -81,15 +80,7 @@ async fn random_writes_keep_every_table_equal_to_a_model() {
     }
     let files = root.join("files");
     std::fs::create_dir_all(&files).unwrap();
-    let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session_with_tables(
-        &cluster.urls(),
-        Some(cluster.secret()),
-        SessionConfig::new(),
-        Some(&root.join("catalog.sqlite")),
-    )
-    .await
-    .unwrap();
+    let (cluster, session) = crate::common::cluster_with_catalog(&root, NODES).await;
     // Compactions often: a slice a fifth deleted is rewritten.
     sieve_rows(&session, "SET sieve.compact_deleted_share = 0.2")
         .await

@@ -266,16 +266,7 @@ async fn reference(
 }
 
 async fn start(root: &Path) -> (EmbeddedCluster, SieveSession) {
-    let cluster = EmbeddedCluster::start(root, NODES).await.unwrap();
-    let session = connect_session_with_tables(
-        &cluster.urls(),
-        Some(cluster.secret()),
-        SessionConfig::new(),
-        Some(&root.join("catalog.sqlite")),
-    )
-    .await
-    .unwrap();
-    (cluster, session)
+    crate::common::cluster_with_catalog(root, NODES).await
 }
 
 fn table_schema(session: &SieveSession, table: &str) -> Arc<Schema> {

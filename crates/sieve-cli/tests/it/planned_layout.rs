@@ -16,12 +16,10 @@ use arrow::array::{
 use arrow::datatypes::{DataType, Field, Schema, TimeUnit};
 use arrow::record_batch::RecordBatch;
 use datafusion::datasource::MemTable;
-use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion::prelude::SessionContext;
 use parquet::basic::{Compression, Encoding};
 use parquet::file::reader::{FileReader, SerializedFileReader};
-use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{rows_as_text, run};
-use sieve_compute::connect_session_with_tables;
 use sieve_format::{node_directory, LayoutPlan, LAYOUT_PLAN_KEY};
 
 use crate::common::Random;
@@ -150,15 +148,7 @@ fn slice_files(root: &Path, name: &str) -> Vec<PathBuf> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planned_tables_equal_plain_datafusion_and_record_their_plan() {
     let root = root("answers");
-    let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session_with_tables(
-        &cluster.urls(),
-        Some(cluster.secret()),
-        SessionConfig::new(),
-        Some(&root.join("catalog.sqlite")),
-    )
-    .await
-    .unwrap();
+    let (cluster, session) = crate::common::cluster_with_catalog(&root, NODES).await;
     let mut random = Random(11);
     let batch = rows(&mut random);
     let source = Arc::new(MemTable::try_new(batch.schema(), vec![vec![batch.clone()]]).unwrap());
@@ -319,15 +309,7 @@ fn build_side(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> Optio
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_join_builds_on_the_side_with_fewer_bytes_shipped_not_on_disk() {
     let root = root("sides");
-    let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = connect_session_with_tables(
-        &cluster.urls(),
-        Some(cluster.secret()),
-        SessionConfig::new(),
-        Some(&root.join("catalog.sqlite")),
-    )
-    .await
-    .unwrap();
+    let (cluster, session) = crate::common::cluster_with_catalog(&root, NODES).await;
     // Notes of 32 different digests (1,024 hex digits, which no codec
     // brings under half).
     let note = (0..32)

@@ -214,3 +214,27 @@ pub(crate) fn planned_tables(
     assert!(!tables.is_empty(), "the session has no table");
     tables
 }
+
+/// An embedded cluster of `nodes` storage nodes over `root`'s node
+/// directories, and a session over it with the table catalog
+/// `root/catalog.sqlite` (tables a user owns).
+pub(crate) async fn cluster_with_catalog(
+    root: &Path,
+    nodes: usize,
+) -> (
+    sieve_cli::cluster::EmbeddedCluster,
+    sieve_compute::SieveSession,
+) {
+    let cluster = sieve_cli::cluster::EmbeddedCluster::start(root, nodes)
+        .await
+        .unwrap();
+    let session = sieve_compute::connect_session_with_tables(
+        &cluster.urls(),
+        Some(cluster.secret()),
+        datafusion::prelude::SessionConfig::new(),
+        Some(&root.join("catalog.sqlite")),
+    )
+    .await
+    .unwrap();
+    (cluster, session)
+}
