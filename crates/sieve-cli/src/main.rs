@@ -86,7 +86,8 @@ enum Command {
         /// Copies of each slice, each on another node (at most --nodes).
         #[arg(long, default_value_t = 1)]
         replicas: usize,
-        /// Rows per slice at most.
+        /// Rows per slice (a slice takes up to an eighth more to keep the
+        /// rows of its last sort-key value together).
         #[arg(long, default_value_t = SliceLayout::default().slice_rows_max)]
         slice_rows: usize,
         /// Rows per data page at most.

@@ -6,7 +6,12 @@
 //!   (projection | filter | repartition | coalesce)* over a `SieveScanExec`
 //!   moves into the scan's fragment, if statistics say it shrinks the data.
 //!   The final aggregation on the compute node merges the shipped partial
-//!   states unchanged.
+//!   states unchanged. Where the slices hold disjoint ranges of a grouping
+//!   column (a load in key order leaves each key value in one slice:
+//!   `tables/writer.rs`), every group is complete within its slice: the
+//!   storage node finishes the aggregation, and the HAVING filter above it
+//!   runs there too, so only the groups that pass leave the node
+//!   ([`complete_aggregate`], [`push_having`]).
 //! - [`WaitForJoinFilters`]: a scan holding a hash join's dynamic filter is
 //!   told which join it comes from; it then waits for the join's build side
 //!   before sending requests, instead of racing it. A filter whose build side
@@ -22,10 +27,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use datafusion::arrow::datatypes::DataType;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::stats::Precision;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
-use datafusion::common::{JoinType, NullEquality, Result};
+use datafusion::common::{JoinType, NullEquality, Result, ScalarValue};
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_expr::PhysicalExpr;
@@ -39,7 +45,7 @@ use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
-use datafusion::physical_plan::{ExecutionPlan, Partitioning};
+use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
 use sieve_fragment::{check_plan_allowed, SliceInputExec};
 
 use crate::build_keys::{BuildKeys, BuildKeysExec};
@@ -68,8 +74,18 @@ impl PhysicalOptimizerRule for PushAggregateToStorage {
         if !settings.aggregate_pushdown {
             return Ok(plan);
         }
-        plan.transform_up(|node| push_aggregate(node, settings.aggregate_group_ratio_max))
-            .map(|transformed| transformed.data)
+        plan.transform_up(|node| {
+            let node = push_aggregate(node, settings.aggregate_group_ratio_max)?;
+            if node.transformed {
+                return Ok(node);
+            }
+            let node = complete_aggregate(node.data)?;
+            if node.transformed {
+                return Ok(node);
+            }
+            push_having(node.data)
+        })
+        .map(|transformed| transformed.data)
     }
 
     fn name(&self) -> &str {
@@ -241,7 +257,16 @@ fn push_aggregate(
         groups / slices,
         rows / slices
     );
-    if ratio > ratio_max {
+    // Groups complete in their slices are finished there (see
+    // `complete_aggregate`): the final values replace the rows, however
+    // many groups there are.
+    let complete = aggregate.group_expr().is_single()
+        && aggregate.group_expr().expr().iter().any(|(expr, _)| {
+            expr.downcast_ref::<Column>()
+                .and_then(|column| chain_column(aggregate.input(), column.index()))
+                .is_some_and(|column| slices_disjoint_on(scan, column))
+        });
+    if ratio > ratio_max && !complete {
         return annotate(format!(
             "{estimate} > sieve.aggregate_group_ratio_max {ratio_max}: it would not shrink the data"
         ));
@@ -287,6 +312,286 @@ fn push_aggregate(
         Ok(pushed) => Ok(Transformed::yes(Arc::new(pushed))),
         Err(error) => annotate(error.strip_backtrace()),
     }
+}
+
+/// The table column that output column `index` of `node`, one of the
+/// operators between an aggregation and its scan, is exactly: through
+/// projections of plain columns, filters, repartitions and coalesces.
+fn chain_column(node: &Arc<dyn ExecutionPlan>, index: usize) -> Option<usize> {
+    if let Some(scan) = node.downcast_ref::<SieveScanExec>() {
+        if scan.outputs_no_columns() {
+            return None;
+        }
+        return scan.shipped_columns().get(index).copied();
+    }
+    let [child] = node.children()[..] else {
+        return None;
+    };
+    if let Some(projection) = node.downcast_ref::<ProjectionExec>() {
+        let column = projection
+            .expr()
+            .get(index)?
+            .expr
+            .downcast_ref::<Column>()?;
+        return chain_column(child, column.index());
+    }
+    if let Some(filter) = node.downcast_ref::<FilterExec>() {
+        let input_index = match filter.projection().as_ref() {
+            Some(projection) => *projection.get(index)?,
+            None => index,
+        };
+        return chain_column(child, input_index);
+    }
+    if node.downcast_ref::<RepartitionExec>().is_some()
+        || node.downcast_ref::<CoalescePartitionsExec>().is_some()
+    {
+        return chain_column(child, index);
+    }
+    None
+}
+
+/// The table column that output column `index` of `node`, an operator of
+/// a pushed fragment, is exactly (not an expression of it): through
+/// projections of plain columns and filters, down to the slice's rows.
+fn fragment_column(
+    node: &Arc<dyn ExecutionPlan>,
+    index: usize,
+    shipped: &[usize],
+) -> Option<usize> {
+    if node.downcast_ref::<SliceInputExec>().is_some() {
+        return shipped.get(index).copied();
+    }
+    let [child] = node.children()[..] else {
+        return None;
+    };
+    if let Some(projection) = node.downcast_ref::<ProjectionExec>() {
+        let column = projection
+            .expr()
+            .get(index)?
+            .expr
+            .downcast_ref::<Column>()?;
+        return fragment_column(child, column.index(), shipped);
+    }
+    if let Some(filter) = node.downcast_ref::<FilterExec>() {
+        let input_index = match filter.projection().as_ref() {
+            Some(projection) => *projection.get(index)?,
+            None => index,
+        };
+        return fragment_column(child, input_index, shipped);
+    }
+    None
+}
+
+/// Whether the scan's slices hold disjoint ranges of table column `column`,
+/// NULLs in at most one slice: then rows that share its value (NULL
+/// included) are in one slice. Only types whose slice minimum and maximum
+/// are exact bounds in a total order (integers, decimals, dates, times) count.
+fn slices_disjoint_on(scan: &SieveScanExec, column: usize) -> bool {
+    let table = scan.table();
+    let data_type = table.schema.field(column).data_type();
+    let exact_order = data_type.is_integer()
+        || matches!(
+            data_type,
+            DataType::Decimal128(_, _)
+                | DataType::Decimal256(_, _)
+                | DataType::Date32
+                | DataType::Date64
+                | DataType::Timestamp(_, _)
+        );
+    if !exact_order {
+        return false;
+    }
+    let mut ranges = Vec::with_capacity(table.slices.len());
+    let mut slices_with_nulls = 0;
+    for slice in &table.slices {
+        let Some(summary) = slice.summary.columns.get(column) else {
+            return false;
+        };
+        if slice.summary.rows == 0 {
+            continue;
+        }
+        match summary.null_count {
+            Some(0) => {}
+            Some(_) => slices_with_nulls += 1,
+            None => return false,
+        }
+        let parse = |text: &Option<String>| {
+            text.as_ref()
+                .and_then(|text| ScalarValue::try_from_string(text.clone(), data_type).ok())
+        };
+        match (parse(&summary.min), parse(&summary.max)) {
+            (Some(min), Some(max)) => ranges.push((min, max)),
+            // A slice of NULLs only has no range.
+            (None, None) if summary.null_count == Some(slice.summary.rows) => {}
+            _ => return false,
+        }
+    }
+    if slices_with_nulls > 1 {
+        return false;
+    }
+    let mut sorted = Vec::with_capacity(ranges.len());
+    for (min, max) in ranges {
+        if min.partial_cmp(&max).is_none_or(|order| order.is_gt()) {
+            return false;
+        }
+        sorted.push((min, max));
+    }
+    sorted.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap_or(std::cmp::Ordering::Equal));
+    sorted.windows(2).all(|pair| {
+        pair[0]
+            .1
+            .partial_cmp(&pair[1].0)
+            .is_some_and(|order| order.is_lt())
+    })
+}
+
+/// The scan under `node` through operators that only move rows between
+/// partitions (repartitions, coalesces), if there is one.
+fn scan_under_exchanges(node: &Arc<dyn ExecutionPlan>) -> Option<&SieveScanExec> {
+    let mut current = node;
+    loop {
+        if let Some(scan) = current.downcast_ref::<SieveScanExec>() {
+            return Some(scan);
+        }
+        let exchange = current
+            .downcast_ref::<RepartitionExec>()
+            .is_some_and(|repartition| !repartition.preserve_order())
+            || current.downcast_ref::<CoalescePartitionsExec>().is_some();
+        if !exchange {
+            return None;
+        }
+        let [child] = current.children()[..] else {
+            return None;
+        };
+        current = child;
+    }
+}
+
+/// `scan` partitioned as `node`'s output is, so that the operators above
+/// `node` (a partitioned hash join, say) find what they were planned on.
+fn partitioned_as(
+    node: &Arc<dyn ExecutionPlan>,
+    scan: Arc<dyn ExecutionPlan>,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    let target = node.output_partitioning();
+    let count = target.partition_count();
+    if count == 1 {
+        if scan.output_partitioning().partition_count() == 1 {
+            return Ok(scan);
+        }
+        return Ok(Arc::new(CoalescePartitionsExec::new(scan)));
+    }
+    let partitioning = match target {
+        Partitioning::Hash(exprs, _) => Partitioning::Hash(exprs.clone(), count),
+        _ => Partitioning::RoundRobinBatch(count),
+    };
+    Ok(Arc::new(RepartitionExec::try_new(scan, partitioning)?))
+}
+
+/// A final aggregation over (repartition | coalesce)* over a scan whose
+/// fragment holds the partial aggregation: if the scan's slices hold
+/// disjoint ranges of a grouping column, each slice's groups are complete,
+/// and the storage node runs the whole aggregation (mode single) instead.
+/// Its output is then the final values, partitioned as before.
+fn complete_aggregate(node: Arc<dyn ExecutionPlan>) -> Result<Transformed<Arc<dyn ExecutionPlan>>> {
+    let Some(aggregate) = node.downcast_ref::<AggregateExec>() else {
+        return Ok(Transformed::no(node));
+    };
+    if !matches!(
+        aggregate.mode(),
+        AggregateMode::Final | AggregateMode::FinalPartitioned
+    ) || aggregate.limit_options().is_some()
+        || node.output_ordering().is_some()
+        || !aggregate.group_expr().is_single()
+        || aggregate.group_expr().is_empty()
+    {
+        return Ok(Transformed::no(node));
+    }
+    let Some(scan) = scan_under_exchanges(aggregate.input()) else {
+        return Ok(Transformed::no(node));
+    };
+    if scan.star_join().is_some() || scan.aggregate_complete() {
+        return Ok(Transformed::no(node));
+    }
+    let Some(pushed) = scan.aggregate() else {
+        return Ok(Transformed::no(node));
+    };
+    let Some(partial) = pushed.plan.downcast_ref::<AggregateExec>() else {
+        return Ok(Transformed::no(node));
+    };
+    if *partial.mode() != AggregateMode::Partial
+        || partial.group_expr().expr().len() != aggregate.group_expr().expr().len()
+    {
+        return Ok(Transformed::no(node));
+    }
+    let shipped = scan.shipped_columns();
+    let complete_on = partial.group_expr().expr().iter().find_map(|(expr, _)| {
+        let column = expr.downcast_ref::<Column>()?;
+        let table_column = fragment_column(partial.input(), column.index(), shipped)?;
+        slices_disjoint_on(scan, table_column).then_some(table_column)
+    });
+    let Some(table_column) = complete_on else {
+        return Ok(Transformed::no(node));
+    };
+    let single: Arc<dyn ExecutionPlan> = Arc::new(AggregateExec::try_new(
+        AggregateMode::Single,
+        partial.group_expr().clone(),
+        partial.aggr_expr().to_vec(),
+        partial.filter_expr().to_vec(),
+        Arc::clone(partial.input()),
+        partial.input_schema(),
+    )?);
+    let same_types = single.schema().fields().len() == node.schema().fields().len()
+        && single
+            .schema()
+            .fields()
+            .iter()
+            .zip(node.schema().fields())
+            .all(|(a, b)| a.data_type() == b.data_type());
+    if !same_types || check_plan_allowed(&single).is_err() {
+        return Ok(Transformed::no(node));
+    }
+    let description = pushed.description.replacen(
+        "partial [",
+        &format!(
+            "complete (slices hold disjoint ranges of {}) [",
+            scan.table().schema.field(table_column).name()
+        ),
+        1,
+    );
+    let completed = scan.with_complete_aggregate(PushedAggregate {
+        plan: single,
+        description,
+    })?;
+    Ok(Transformed::yes(partitioned_as(
+        &node,
+        Arc::new(completed),
+    )?))
+}
+
+/// A filter over (repartition | coalesce)* over a scan whose fragment
+/// completes its aggregation ([`complete_aggregate`]): the filter (a HAVING,
+/// say) runs on the storage node too, after the aggregation.
+fn push_having(node: Arc<dyn ExecutionPlan>) -> Result<Transformed<Arc<dyn ExecutionPlan>>> {
+    let Some(filter) = node.downcast_ref::<FilterExec>() else {
+        return Ok(Transformed::no(node));
+    };
+    if node.fetch().is_some() || node.output_ordering().is_some() {
+        return Ok(Transformed::no(node));
+    }
+    let Some(scan) = scan_under_exchanges(filter.input()) else {
+        return Ok(Transformed::no(node));
+    };
+    let Some(pushed) = scan.aggregate().filter(|_| scan.aggregate_complete()) else {
+        return Ok(Transformed::no(node));
+    };
+    let plan = Arc::clone(&node).replace_children(vec![Arc::clone(&pushed.plan)], recompute())?;
+    if check_plan_allowed(&plan).is_err() {
+        return Ok(Transformed::no(node));
+    }
+    let description = format!("{}, then filter {}", pushed.description, filter.predicate());
+    let filtered = scan.with_complete_aggregate(PushedAggregate { plan, description })?;
+    Ok(Transformed::yes(partitioned_as(&node, Arc::new(filtered))?))
 }
 
 /// A join filter whose build side has at least this share of the probe key's

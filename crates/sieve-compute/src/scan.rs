@@ -75,6 +75,10 @@ pub struct SieveScanExec {
     /// A partial aggregation run on the storage nodes, over the shipped
     /// columns (leaf `SliceInputExec`); the scan then outputs partial states.
     aggregate: Option<PushedAggregate>,
+    /// Whether `aggregate` is the whole aggregation (each slice's groups are
+    /// complete): it then outputs final values, and each request is a whole
+    /// slice.
+    aggregate_complete: bool,
     /// Why an aggregation above this scan was not pushed, for EXPLAIN.
     aggregate_note: Option<String>,
     /// A star join pushed with the aggregation (`aggregate` holds its
@@ -230,6 +234,7 @@ impl SieveScanExec {
             predicate,
             filtered_statistics: Arc::new(filtered),
             aggregate: None,
+            aggregate_complete: false,
             aggregate_note: None,
             star_join: None,
             join_notes: vec![],
@@ -260,6 +265,7 @@ impl SieveScanExec {
             predicate: self.predicate.clone(),
             filtered_statistics: Arc::clone(&self.filtered_statistics),
             aggregate: self.aggregate.clone(),
+            aggregate_complete: self.aggregate_complete,
             aggregate_note: self.aggregate_note.clone(),
             star_join: self.star_join.clone(),
             join_notes: self.join_notes.clone(),
@@ -299,6 +305,32 @@ impl SieveScanExec {
             properties: properties(schema, partitions),
             ..self.copy()
         })
+    }
+
+    /// This scan with `aggregate`, the whole aggregation (mode single, and
+    /// what runs above it) over this scan's output, leaf a `SliceInputExec`:
+    /// the caller knows each slice's groups are complete. Each request is
+    /// then a whole slice, never some of its row groups.
+    pub fn with_complete_aggregate(&self, aggregate: PushedAggregate) -> Result<Self> {
+        let units = Arc::new(whole_slices(&self.table));
+        let partitions = self
+            .properties
+            .partitioning
+            .partition_count()
+            .clamp(1, units.len().max(1));
+        let pushed = self.with_aggregate(aggregate)?;
+        Ok(Self {
+            aggregate_complete: true,
+            units,
+            properties: properties(pushed.schema(), partitions),
+            ..pushed
+        })
+    }
+
+    /// Whether the pushed aggregation is complete (see
+    /// [`Self::with_complete_aggregate`]).
+    pub fn aggregate_complete(&self) -> bool {
+        self.aggregate_complete
     }
 
     /// This scan with `star` (a partial aggregation over hash joins over this
@@ -832,6 +864,18 @@ fn work_units(table: &ClusterTable, partitions: usize) -> Vec<WorkUnit> {
         }
     }
     units
+}
+
+/// One request per slice, whatever its row groups.
+fn whole_slices(table: &ClusterTable) -> Vec<WorkUnit> {
+    table
+        .slices
+        .iter()
+        .map(|slice| WorkUnit {
+            slice: slice.clone(),
+            row_groups: vec![],
+        })
+        .collect()
 }
 
 fn properties(schema: SchemaRef, partitions: usize) -> Arc<PlanProperties> {

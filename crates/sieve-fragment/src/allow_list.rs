@@ -319,9 +319,14 @@ fn check_plan_allowed_with(plan: &Arc<dyn ExecutionPlan>, joins: &mut usize) -> 
     if plan.downcast_ref::<SliceInputExec>().is_some() {
         return Ok(());
     } else if let Some(aggregate) = plan.downcast_ref::<AggregateExec>() {
-        if *aggregate.mode() != AggregateMode::Partial {
+        // Single: the whole aggregation, where the compute node found each
+        // slice's groups complete (slices with disjoint key ranges).
+        if !matches!(
+            aggregate.mode(),
+            AggregateMode::Partial | AggregateMode::Single
+        ) {
             return plan_err!(
-                "only a partial aggregation can run in an NDP fragment, not {:?}",
+                "only a partial or single aggregation can run in an NDP fragment, not {:?}",
                 aggregate.mode()
             );
         }

@@ -214,7 +214,9 @@ fn partial_aggregate_round_trips_and_a_final_one_is_refused() {
     .encode_body(&schema)
     .unwrap_err();
     assert!(
-        error.to_string().contains("only a partial aggregation"),
+        error
+            .to_string()
+            .contains("only a partial or single aggregation"),
         "{error}"
     );
 }

@@ -16,6 +16,7 @@ mod auth_and_limits;
 mod availability;
 mod bench;
 mod best_effort;
+mod complete_aggregates;
 mod crash_loads;
 mod data_errors;
 mod deep_expressions;

@@ -18,7 +18,7 @@ use arrow::array::RecordBatch;
 use arrow::compute::{concat_batches, lexsort_to_indices, take_record_batch, SortColumn};
 use arrow::datatypes::SchemaRef;
 use arrow::row::{OwnedRow, RowConverter, SortField};
-use datafusion::common::{exec_err, DataFusionError, Result};
+use datafusion::common::{exec_err, DataFusionError, Result, ScalarValue};
 use parquet::schema::types::ColumnPath;
 use tokio::task::JoinHandle;
 
@@ -53,8 +53,23 @@ pub struct TableWriter {
     /// The layout plan of this statement's slices, made from the first
     /// slice written (`layout = 'planned'` tables).
     plan: SharedPlan,
+    /// The full slice's last value of the sort key's first column, while
+    /// the slice takes the rest of that value's rows (rows that arrive in
+    /// key order then leave each key value in one slice; see
+    /// [`KEY_RUN_ROWS_MAX`]).
+    closing_key: Option<ScalarValue>,
+    /// The sort key's first column, if the table has a sort key.
+    key_column: Option<usize>,
     finished: bool,
 }
+
+/// A full slice takes up to `slice_rows / KEY_RUN_ROWS_MAX` more rows (and
+/// [`SLICE_BUFFER_BYTES_MAX`]` / KEY_RUN_ROWS_MAX` more bytes), so
+/// that the rows of its last key value arriving after it stay with it: a
+/// load in key order then has slices with disjoint key ranges, and a
+/// grouping on the key is complete within each slice (the storage nodes
+/// finish it: `optimizer.rs`). A longer run of one value is cut.
+pub(crate) const KEY_RUN_ROWS_MAX: usize = 8;
 
 /// A statement's layout plan: `None` until its first slice plans it, then
 /// the plan (`None` inside: too few rows to plan on, the fixed layout).
@@ -76,6 +91,11 @@ impl TableWriter {
         let schema = Arc::clone(&table.schema);
         // Spread tables over the nodes: each starts at a node of its own.
         let next_node = (table.id as usize) % tables.nodes().max(1);
+        let key_column = table
+            .layout
+            .sort_key
+            .first()
+            .and_then(|name| schema.index_of(name).ok());
         Self {
             tables,
             table,
@@ -89,6 +109,8 @@ impl TableWriter {
             rows: 0,
             next_node,
             plan: SharedPlan::default(),
+            closing_key: None,
+            key_column,
             finished: false,
         }
     }
@@ -129,18 +151,47 @@ impl TableWriter {
         }
         let batch = RecordBatch::try_new(Arc::clone(&self.schema), batch.columns().to_vec())?;
         let slice_rows = self.table.layout.slice_rows.max(1) as usize;
+        let extra_rows_max = slice_rows / KEY_RUN_ROWS_MAX;
         let mut offset = 0;
         while offset < batch.num_rows() {
-            let take = (slice_rows - self.buffered_rows).min(batch.num_rows() - offset);
+            let take = match (&self.closing_key, self.key_column) {
+                // The full slice takes the rest of its last key value's rows.
+                (Some(last), Some(column)) => {
+                    let run = key_run(batch.column(column), offset, last)?;
+                    if run == 0 {
+                        self.flush().await?;
+                        continue;
+                    }
+                    run.min(slice_rows + extra_rows_max - self.buffered_rows)
+                }
+                _ => (slice_rows - self.buffered_rows).min(batch.num_rows() - offset),
+            };
             let part = batch.slice(offset, take);
             offset += take;
             self.rows += take as u64;
             self.tables.progress().took(take as u64);
             self.buffered_rows += take;
             self.buffered_bytes += part.get_array_memory_size();
+            let last_key = match self.key_column {
+                Some(column) if take > 0 => {
+                    Some(ScalarValue::try_from_array(part.column(column), take - 1)?)
+                }
+                _ => None,
+            };
             self.buffer.push(part);
-            if self.buffered_rows >= slice_rows || self.buffered_bytes >= SLICE_BUFFER_BYTES_MAX {
+            if self.buffered_bytes
+                >= SLICE_BUFFER_BYTES_MAX + SLICE_BUFFER_BYTES_MAX / KEY_RUN_ROWS_MAX
+                || self.buffered_rows >= slice_rows + extra_rows_max
+            {
                 self.flush().await?;
+            } else if self.buffered_rows >= slice_rows
+                || self.buffered_bytes >= SLICE_BUFFER_BYTES_MAX
+            {
+                match last_key {
+                    // Rows after this batch may still hold the last value.
+                    Some(last) if extra_rows_max > 0 => self.closing_key = Some(last),
+                    _ => self.flush().await?,
+                }
             }
         }
         Ok(())
@@ -162,6 +213,7 @@ impl TableWriter {
             self.wait_oldest().await?;
         }
         let batches = std::mem::take(&mut self.buffer);
+        self.closing_key = None;
         self.buffered_rows = 0;
         self.buffered_bytes = 0;
         let nodes = self.choose_nodes();
@@ -453,6 +505,15 @@ async fn send(
 
 /// Whether the rows of `batches`, in order, are sorted by the columns `key`
 /// as [`sort_by_key`] sorts (ascending, NULLs first); with no key, yes.
+/// Rows of `column` from `offset` on that equal `value` (NULL equals NULL).
+fn key_run(column: &arrow::array::ArrayRef, offset: usize, value: &ScalarValue) -> Result<usize> {
+    let mut end = offset;
+    while end < column.len() && ScalarValue::try_from_array(column, end)? == *value {
+        end += 1;
+    }
+    Ok(end - offset)
+}
+
 fn in_key_order(batches: &[RecordBatch], key: &[String]) -> Result<bool> {
     let Some(first) = batches.first() else {
         return Ok(true);
