@@ -149,7 +149,10 @@ const CASES: [(&str, bool); 8] = [
     // COUNT(DISTINCT): planned as a grouping on (g, k), pushed as such.
     ("SELECT g, count(DISTINCT k) FROM edge GROUP BY g", true),
     // As many groups as rows: not pushed, and EXPLAIN says why.
-    ("SELECT u, count(*) FROM edge GROUP BY u", false),
+    (
+        "SELECT u % 2999 AS m, count(*) FROM edge GROUP BY u % 2999",
+        false,
+    ),
 ];
 
 /// Every case through `session` equals plain DataFusion, and EXPLAIN says
@@ -172,6 +175,19 @@ async fn check_cases(session: &SieveSession, reference: &SessionContext) {
             );
         }
     }
+
+    // As many groups as rows, but `u`'s ranges are disjoint between the
+    // slices: each group is complete in its slice, and the storage nodes
+    // finish the aggregation however many groups there are.
+    let sql = "SELECT u, count(*), sum(d) FROM edge GROUP BY u HAVING count(*) = 1";
+    let expected = rows_as_text(&run(reference, sql).await.unwrap(), true).unwrap();
+    let actual = rows_as_text(&run(&session.context, sql).await.unwrap(), true).unwrap();
+    assert_eq!(actual, expected, "{sql}");
+    let plan = explain(&session.context, sql).await;
+    assert!(
+        plan.contains("pushed aggregate: complete (slices hold disjoint ranges of u)"),
+        "{sql}\n{plan}"
+    );
 
     // Decimal overflow: both sides agree (DataFusion 55 wraps around; were it
     // to raise an error instead, both sides must raise it).
