@@ -137,7 +137,7 @@ fn early_scans(plan: &Arc<dyn ExecutionPlan>, rows_max: usize) -> Vec<Arc<dyn Ex
     scans
 }
 
-/// The plan's root, unchanged, plus: when partition 0 starts, the named
+/// The plan's root, unchanged, plus: when its first partition starts, the named
 /// scans start every partition into a bounded buffer.
 #[derive(Debug)]
 pub struct EarlyStartExec {
@@ -145,6 +145,13 @@ pub struct EarlyStartExec {
     /// `SieveScanExec`s inside `input`.
     scans: Vec<Arc<dyn ExecutionPlan>>,
     buffer_bytes: usize,
+    /// The current execution's owner of the buffers, and how many of the
+    /// root's partitions have yet to take it. Every partition's stream
+    /// holds it: the buffers not taken are dropped when the last one is
+    /// (a LIMIT met early, a join that never polled its probe). Before,
+    /// partition 0 started the scans and its end dropped them: a partition
+    /// executed before partition 0, or after its end, ran its scans twice.
+    guard: Mutex<Option<(Arc<ClearOnDrop>, usize)>>,
 }
 
 impl EarlyStartExec {
@@ -157,6 +164,7 @@ impl EarlyStartExec {
             input,
             scans,
             buffer_bytes,
+            guard: Mutex::new(None),
         }
     }
 
@@ -243,20 +251,33 @@ impl ExecutionPlan for EarlyStartExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
-        if partition == 0 {
-            for scan in &self.scans {
-                if let Some(scan) = scan.downcast_ref::<SieveScanExec>() {
-                    scan.start_early(Arc::clone(&context), self.buffer_bytes)?;
+        if self.scans.is_empty() {
+            return self.input.execute(partition, context);
+        }
+        // The first partition of an execution to arrive, whichever it is,
+        // starts the scans; each partition's stream shares the buffers'
+        // owner, and the last partition to take it leaves it to the
+        // streams alone.
+        let guard = {
+            let mut slot = self.guard.lock().expect("never poisoned");
+            if slot.is_none() {
+                for scan in &self.scans {
+                    if let Some(scan) = scan.downcast_ref::<SieveScanExec>() {
+                        scan.start_early(Arc::clone(&context), self.buffer_bytes)?;
+                    }
                 }
+                let partitions = self.properties().partitioning.partition_count();
+                *slot = Some((Arc::new(ClearOnDrop(self.scans.clone())), partitions.max(1)));
             }
-        }
+            let (guard, left) = slot.as_mut().expect("set above");
+            let guard = Arc::clone(guard);
+            *left -= 1;
+            if *left == 0 {
+                *slot = None;
+            }
+            guard
+        };
         let stream = self.input.execute(partition, context)?;
-        if partition != 0 || self.scans.is_empty() {
-            return Ok(stream);
-        }
-        // Partition 0's stream owns the buffers: dropped, it drops those
-        // not taken (a LIMIT met early, a join that never polled its probe).
-        let guard = ClearOnDrop(self.scans.clone());
         let schema = stream.schema();
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             schema,
@@ -268,6 +289,7 @@ impl ExecutionPlan for EarlyStartExec {
     }
 }
 
+#[derive(Debug)]
 struct ClearOnDrop(Vec<Arc<dyn ExecutionPlan>>);
 
 impl Drop for ClearOnDrop {
