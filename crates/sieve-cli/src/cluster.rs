@@ -110,15 +110,36 @@ impl EmbeddedCluster {
         self.nodes.iter().map(StorageNode::flight_url).collect()
     }
 
-    /// Slices the nodes served raw, and slices they served in all, since start.
+    /// Slices the nodes served raw for want of a pushdown worker, and
+    /// slices they were asked to process, since start. Slices the compute
+    /// node asked for as stored (nothing to push) count in neither: see
+    /// [`EmbeddedCluster::slices_as_stored`].
     pub fn slices_raw_and_served(&self) -> (u64, u64) {
         self.nodes.iter().fold((0, 0), |(raw, served), node| {
             let counters = node.executor().counters();
             (
                 raw + counters.slices_raw.load(Ordering::Relaxed),
-                served + counters.slices_served.load(Ordering::Relaxed),
+                served
+                    + counters
+                        .slices_served
+                        .load(Ordering::Relaxed)
+                        .saturating_sub(counters.slices_as_stored.load(Ordering::Relaxed)),
             )
         })
+    }
+
+    /// Slices the nodes served as stored because the compute node asked
+    /// (a scan with nothing to push), since start.
+    pub fn slices_as_stored(&self) -> u64 {
+        self.nodes
+            .iter()
+            .map(|node| {
+                node.executor()
+                    .counters()
+                    .slices_as_stored
+                    .load(Ordering::Relaxed)
+            })
+            .sum()
     }
 }
 

@@ -40,6 +40,12 @@ extensions_options! {
         /// 16 KiB is registered once per node, and build rows that turn out
         /// too large for a fragment run their joins here.
         pub star_join_build_bytes_max: usize, default = 16 * 1024 * 1024
+        /// A scan with nothing for the storage nodes to do (no filter, join
+        /// filter or aggregation: only columns) asks for its slices' pages
+        /// as stored and decodes them on the compute node, as NDP off does:
+        /// the nodes spend no CPU decoding and re-encoding, and the link
+        /// carries the compressed pages.
+        pub plain_scans_as_stored: bool, default = true
         /// Apply hash joins' build-side keys (range, IN list, Bloom filter)
         /// on the storage nodes of the probe side.
         pub join_filters: bool, default = true

@@ -102,6 +102,9 @@ pub struct SieveScanExec {
     body: Arc<Vec<u8>>,
     slices_in_flight: usize,
     ipc_codec: IpcCodec,
+    /// Ask for pages as stored when there is nothing to push (see
+    /// [`ScanOptions::as_stored`]).
+    as_stored: bool,
     failover: FailoverSettings,
     /// Scan-wide parallelism gauges, made by the first partition to run.
     parallelism: Arc<OnceLock<Arc<Parallelism>>>,
@@ -155,6 +158,10 @@ pub struct ScanOptions {
     pub join_settings: JoinFilterSettings,
     /// Codec asked of the storage nodes for the shipped batches.
     pub ipc_codec: IpcCodec,
+    /// Whether a scan with nothing for the nodes to do (no filter, join
+    /// filter or aggregation: columns only) asks for the slices' pages as
+    /// stored and decodes them here.
+    pub as_stored: bool,
     /// How slice requests fail over between replicas.
     pub failover: FailoverSettings,
 }
@@ -168,6 +175,7 @@ impl ScanOptions {
             slices_in_flight: settings.slices_in_flight,
             join_settings: settings.join_filter_settings(),
             ipc_codec: IpcCodec::parse(&settings.ipc_compression)?,
+            as_stored: settings.plain_scans_as_stored,
             failover: settings.failover_settings(),
         })
     }
@@ -199,6 +207,7 @@ impl SieveScanExec {
             slices_in_flight,
             join_settings,
             ipc_codec,
+            as_stored,
             failover,
         } = options;
         let output_no_columns = projection.is_empty();
@@ -247,12 +256,23 @@ impl SieveScanExec {
             body,
             slices_in_flight: slices_in_flight.max(1),
             ipc_codec,
+            as_stored,
             failover,
             parallelism: Arc::new(OnceLock::new()),
             early: EarlySlots::default(),
             properties: properties(schema, partitions),
             metrics: ExecutionPlanMetricsSet::new(),
         })
+    }
+
+    /// Whether the fragment only reads columns (no filter, aggregation or
+    /// star join) and the session asks for such slices as stored. A join
+    /// filter resolved at run time still makes it a fragment.
+    fn nothing_to_push(&self) -> bool {
+        self.as_stored
+            && self.predicate.is_none()
+            && self.aggregate.is_none()
+            && self.star_join.is_none()
     }
 
     fn copy(&self) -> Self {
@@ -278,6 +298,7 @@ impl SieveScanExec {
             body: Arc::clone(&self.body),
             slices_in_flight: self.slices_in_flight,
             ipc_codec: self.ipc_codec,
+            as_stored: self.as_stored,
             failover: self.failover,
             parallelism: Arc::new(OnceLock::new()),
             early: EarlySlots::default(),
@@ -950,6 +971,9 @@ impl DisplayAs for SieveScanExec {
         if let Some(note) = &self.aggregate_note {
             write!(formatter, ", aggregate not pushed: {note}")?;
         }
+        if self.nothing_to_push() && self.join_filters.is_empty() && self.key_filters.is_empty() {
+            write!(formatter, ", pages as stored (nothing to push)")?;
+        }
         for note in &self.join_notes {
             write!(formatter, ", {note}")?;
         }
@@ -1205,6 +1229,7 @@ impl SieveScanExec {
         let rows_scanned = builder().counter("storage_rows_scanned", partition);
         let storage_cpu = builder().subset_time("storage_cpu_time", partition);
         let slices_raw = builder().counter("slices_raw", partition);
+        let slices_as_stored = builder().counter("slices_as_stored", partition);
         let bytes_raw = builder().counter("bytes_raw", partition);
         let slice_retries = builder().counter("slice_retries", partition);
         let raw_completion = builder().subset_time("raw_completion_time", partition);
@@ -1241,6 +1266,11 @@ impl SieveScanExec {
         let rewrap = self.aggregate.is_some();
         let slices_in_flight = self.slices_in_flight;
         let ipc_codec = self.ipc_codec;
+        // Nothing for the nodes to do but read columns: decoding and
+        // re-encoding them there costs their CPU and ships more bytes than
+        // the compressed pages, so the pages come as stored (unless a join
+        // filter turns up).
+        let nothing_to_push = self.nothing_to_push();
 
         // The fragment body: the planned one, plus whatever the join filters
         // resolve to once their build sides are complete.
@@ -1512,8 +1542,13 @@ impl SieveScanExec {
                 let table_name = table_name.clone();
                 let completion = completion.clone();
                 let bytes_sent = bytes_sent.clone();
+                let as_stored = nothing_to_push && body.join_filter.is_none() && body.local.is_none();
                 let raw_counters = (
-                    slices_raw.clone(),
+                    if as_stored {
+                        slices_as_stored.clone()
+                    } else {
+                        slices_raw.clone()
+                    },
                     bytes_raw.clone(),
                     raw_completion.clone(),
                 );
@@ -1528,6 +1563,9 @@ impl SieveScanExec {
                         .with_row_groups(unit.row_groups)
                         .with_ipc_codec(ipc_codec)
                         .with_heartbeat(heartbeat);
+                        if as_stored {
+                            envelope = envelope.with_raw();
+                        }
                         if let Some(filter) = &body.join_filter {
                             envelope = envelope.with_join_filter(&filter.id);
                         }

@@ -82,6 +82,14 @@ pub struct FragmentEnvelope {
     /// which is then empty; empty for none.
     #[prost(bytes = "vec", tag = "11")]
     pub body_id: Vec<u8>,
+    /// Serve the slice's pages as stored, without running the fragment:
+    /// asked when the body has nothing for the node to do (no predicate,
+    /// join filter or aggregation, only a projection), where decoding and
+    /// re-encoding would cost the node CPU and ship more bytes than the
+    /// compressed pages. The compute node decodes them, as it does for a
+    /// busy node's raw slices. Not with `row_positions`.
+    #[prost(bool, tag = "12")]
+    pub raw: bool,
 }
 
 /// The shortest heartbeat interval a storage node honours, in milliseconds:
@@ -397,7 +405,15 @@ impl FragmentEnvelope {
             deleted: vec![],
             row_positions: false,
             body_id: vec![],
+            raw: false,
         }
+    }
+
+    /// This envelope asking for the slice's pages as stored (see
+    /// [`FragmentEnvelope::raw`]).
+    pub fn with_raw(mut self) -> Self {
+        self.raw = true;
+        self
     }
 
     /// This envelope naming the registered body `id` instead of carrying
@@ -474,6 +490,9 @@ impl FragmentEnvelope {
             if !envelope.body.is_empty() {
                 return plan_err!("NDP fragment carries a body and names a registered one");
             }
+        }
+        if envelope.raw && envelope.row_positions {
+            return plan_err!("NDP fragment asks for raw pages and for row positions");
         }
         Ok(envelope)
     }

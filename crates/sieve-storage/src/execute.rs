@@ -139,7 +139,10 @@ pub struct NodeCounters {
     pub range_bytes_served: Arc<AtomicU64>,
     /// Slices served raw (pages as stored) because the node was busy.
     pub slices_raw: AtomicU64,
-    /// Bytes of raw pages shipped.
+    /// Slices served as stored because the compute node asked (nothing to
+    /// push).
+    pub slices_as_stored: AtomicU64,
+    /// Bytes of raw pages shipped, either way.
     pub raw_bytes_served: AtomicU64,
     /// Most slices processed at once so far.
     pub slices_running_max: AtomicU64,
@@ -150,7 +153,11 @@ impl NodeCounters {
     pub fn record(&self, metrics: &SliceMetrics) {
         self.slices_served.fetch_add(1, Ordering::Relaxed);
         if !metrics.processed {
-            self.slices_raw.fetch_add(1, Ordering::Relaxed);
+            if metrics.raw_reason == crate::raw::RAW_ASKED {
+                self.slices_as_stored.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.slices_raw.fetch_add(1, Ordering::Relaxed);
+            }
             self.raw_bytes_served
                 .fetch_add(metrics.raw_bytes, Ordering::Relaxed);
             return;
@@ -175,6 +182,7 @@ impl NodeCounters {
             "rows_returned": load(&self.rows_returned),
             "range_bytes_served": load(&self.range_bytes_served),
             "slices_raw": load(&self.slices_raw),
+            "slices_as_stored": load(&self.slices_as_stored),
             "raw_bytes_served": load(&self.raw_bytes_served),
             "slices_running_max": load(&self.slices_running_max),
         })

@@ -49,7 +49,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::execute::{work_done, Admitted};
 use crate::faults::Faults;
 use crate::pool::{Admission, PushdownPool};
-use crate::raw::{plan_raw, raw_stream};
+use crate::raw::{plan_raw, raw_stream, RAW_ASKED};
 use crate::SliceExecutor;
 
 /// The Flight action that returns a node's counters ([`crate::NodeCounters`]) as JSON.
@@ -330,10 +330,16 @@ impl FlightService for StorageFlightService {
         let compression = codec.resolve(loopback);
         let serving = Arc::clone(&progress);
         tokio::spawn(async move {
-            let admission = tokio::select! {
-                // A client gone while queued frees its place in the queue.
-                _ = sender.closed() => return,
-                admission = pool.admit() => admission,
+            // A request with nothing for the node to do asks for the pages
+            // as stored: it never waits for (or takes) a pushdown worker.
+            let admission = if envelope.raw {
+                Admission::Raw(RAW_ASKED.to_string())
+            } else {
+                tokio::select! {
+                    // A client gone while queued frees its place in the queue.
+                    _ = sender.closed() => return,
+                    admission = pool.admit() => admission,
+                }
             };
             serving.admitted();
             match admission {

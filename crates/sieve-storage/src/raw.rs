@@ -1,7 +1,9 @@
 //! Serving a slice raw: the pages of the columns a fragment needs, as stored,
 //! for the row groups it asks for, unfiltered. A busy node answers this way
-//! instead of running the fragment (see `pool.rs`); the compute node then
-//! runs the same fragment over these pages.
+//! instead of running the fragment (see `pool.rs`), and every node when the
+//! compute node asks (`FragmentEnvelope::raw`: the fragment has nothing to
+//! filter or aggregate); the compute node then runs the same fragment over
+//! these pages.
 //!
 //! ```text
 //!   SliceMessage::Raw { footer, ranges }     what follows, and how to decode it
@@ -32,6 +34,9 @@ use tonic::Status;
 use crate::execute::wanted_row_groups;
 use crate::flight::corrupt_status;
 use crate::{CatalogSlice, SliceExecutor};
+
+/// The reason a raw slice gives when the compute node asked for one.
+pub(crate) const RAW_ASKED: &str = "asked for pages as stored (nothing to push)";
 
 /// Largest piece of a raw slice in one Flight message.
 pub const RAW_CHUNK_BYTES: u64 = 1024 * 1024;

@@ -12,6 +12,7 @@ mod serving;
 mod slices;
 
 mod aggregate_pushdown;
+mod as_stored;
 mod auth_and_limits;
 mod availability;
 mod bench;

@@ -238,3 +238,40 @@ pub(crate) async fn cluster_with_catalog(
     .unwrap();
     (cluster, session)
 }
+
+/// Run `sql` and sum the metric `names` over every Sieve scan of its plan.
+pub(crate) async fn run_with_scan_metrics(
+    session: &sieve_compute::SieveSession,
+    sql: &str,
+    names: &[&str],
+) -> datafusion::common::Result<(Vec<arrow::record_batch::RecordBatch>, Vec<usize>)> {
+    let plan = session
+        .context
+        .sql(sql)
+        .await?
+        .create_physical_plan()
+        .await?;
+    let batches = datafusion::physical_plan::collect(
+        std::sync::Arc::clone(&plan),
+        session.context.task_ctx(),
+    )
+    .await?;
+    let mut sums = vec![0; names.len()];
+    let mut pending = vec![plan];
+    while let Some(node) = pending.pop() {
+        if node
+            .downcast_ref::<sieve_compute::SieveScanExec>()
+            .is_some()
+        {
+            let metrics = node.metrics().expect("scans have metrics");
+            for (sum, name) in sums.iter_mut().zip(names) {
+                *sum += metrics
+                    .sum_by_name(name)
+                    .map(|value| value.as_usize())
+                    .unwrap_or(0);
+            }
+        }
+        pending.extend(node.children().into_iter().cloned());
+    }
+    Ok((batches, sums))
+}
