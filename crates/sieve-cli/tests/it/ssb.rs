@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use sieve_cli::cluster::{generated, EmbeddedCluster};
 use sieve_cli::compare::{reference_context_for, rows_as_text, run};
 use sieve_cli::queries::{is_ordered, SSB_QUERIES};
+use sieve_compute::SieveSession;
 use sieve_format::{Benchmark, SliceLayout};
 
 use crate::common::NODES;
@@ -378,6 +379,18 @@ async fn explain_shows_the_pushed_star_joins_and_turning_them_off_changes_no_row
     );
 }
 
+/// Push star joins whose build sides hold more rows than a quarter of a
+/// slice's (20,000 parts against ~46,000 line orders per slice here).
+async fn relax_star_join_rows(session: &SieveSession) {
+    session
+        .sql("SET sieve.star_join_build_rows_share = 100")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+}
+
 /// A star join whose build rows turn out too large for a fragment (the
 /// estimate said small: a computed wide payload) still answers: the nodes
 /// filter and ship rows, and the joins and the partial aggregation run on
@@ -396,6 +409,27 @@ async fn a_star_join_too_large_for_a_fragment_runs_its_joins_on_the_compute_node
         .expect("reference context");
     let cluster = EmbeddedCluster::start(&root, NODES).await.expect("nodes");
     let session = cluster.session().await.expect("session");
+    // 20,000 parts against ~46,000 line orders per slice: past the default
+    // share of a slice's rows, the join goes as a join filter.
+    let sql = "SELECT count(*) AS n, sum(lo_revenue) AS revenue \
+               FROM lineorder JOIN part ON lo_partkey = p_partkey WHERE lo_discount < 5";
+    let explained = rows_as_text(
+        &run(&session.context, &format!("EXPLAIN {sql}"))
+            .await
+            .unwrap(),
+        false,
+    )
+    .unwrap()
+    .join("\n");
+    assert!(
+        !explained.contains("pushed join:") && explained.contains("join filter from"),
+        "{explained}"
+    );
+    let expected = rows_as_text(&run(&reference, sql).await.unwrap(), false).unwrap();
+    let got = rows_as_text(&run(&session.context, sql).await.unwrap(), false).unwrap();
+    assert_eq!(got, expected, "differs from plain DataFusion");
+    // A looser share pushes it.
+    relax_star_join_rows(&session).await;
     // 20,000 parts with names repeated: about 8 MB and 20 MB of payload,
     // estimated at 24 bytes a string.
     for copies in [40, 100] {
@@ -452,6 +486,7 @@ async fn a_star_joins_body_is_sent_once_per_node_and_inline_to_a_node_that_lost_
         .expect("reference context");
     let cluster = EmbeddedCluster::start(&root, NODES).await.expect("nodes");
     let session = cluster.session().await.expect("session");
+    relax_star_join_rows(&session).await;
     // 20,000 parts with a name: a body of hundreds of kilobytes.
     let sql = "SELECT count(*) AS n, max(name) AS longest, sum(lo_revenue) AS revenue \
                FROM lineorder JOIN (SELECT p_partkey, p_name || '!' AS name FROM part) p \
