@@ -61,9 +61,10 @@ pub struct PhaseReport {
     pub queries: usize,
     /// Wall time of the phase.
     pub elapsed: Duration,
-    /// Slices the nodes served.
+    /// Slices the nodes were asked to process (not those asked for as
+    /// stored).
     pub slices: u64,
-    /// Of those, served raw.
+    /// Of those, served raw for want of a worker.
     pub slices_raw: u64,
     /// Kill phase: time from the kill to the first failure noticed.
     pub detection: Option<Duration>,
@@ -213,7 +214,12 @@ async fn phase(
     let (mut slices, mut slices_raw) = (0, 0);
     for node in &cluster.nodes {
         let counters = node.executor().counters().to_json();
-        slices += counters["slices_served"].as_u64().unwrap_or(0);
+        // Slices asked for as stored (nothing to push) never wait for a
+        // worker: only the slices the nodes were asked to process count.
+        slices += counters["slices_served"]
+            .as_u64()
+            .unwrap_or(0)
+            .saturating_sub(counters["slices_as_stored"].as_u64().unwrap_or(0));
         slices_raw += counters["slices_raw"].as_u64().unwrap_or(0);
     }
     let recoveries = session
