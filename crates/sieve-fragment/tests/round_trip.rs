@@ -79,6 +79,22 @@ fn oversized_envelope_is_refused_before_decoding() {
     assert!(error.to_string().contains("above the limit"), "{error}");
 }
 
+#[test]
+fn a_request_for_pages_as_stored_survives_and_refuses_row_positions() {
+    let envelope = FragmentEnvelope::new("t", 3, vec![]).with_raw();
+    let decoded = FragmentEnvelope::decode_checked(&envelope.encode_to_vec()).unwrap();
+    assert!(decoded.raw);
+    let mut both = envelope;
+    both.row_positions = true;
+    let error = FragmentEnvelope::decode_checked(&both.encode_to_vec()).unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("raw pages and for row positions"),
+        "{error}"
+    );
+}
+
 /// A fragment's predicate over `probe`, after the fragment went through its
 /// wire form.
 fn decoded_answers(

@@ -16,22 +16,10 @@ use datafusion::prelude::SessionContext;
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_compute::SieveSession;
-use sieve_format::node_directory;
 
-use crate::common::{self, run_with_scan_metrics, NODES};
+use crate::common::{self, explain, run_with_scan_metrics, NODES};
 
 const METRICS: &[&str] = &["slices", "slices_as_stored", "slices_raw"];
-
-async fn explain(session: &SieveSession, sql: &str) -> String {
-    let batches = session
-        .sql(&format!("EXPLAIN {sql}"))
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap();
-    rows_as_text(&batches, false).unwrap().join("\n")
-}
 
 /// Run `sql` on Sieve and on `reference`, check the rows agree, and return
 /// (slices, slices as stored, slices raw for want of a worker).
@@ -67,7 +55,7 @@ async fn scans_with_nothing_to_push_ship_pages_as_stored() {
     // partition came first, or after partition 0 ended, counted more).
     let on_nodes = cluster.slices_as_stored() as usize - before;
     assert_eq!(on_nodes, slices, "slices as stored on the nodes");
-    let plan = explain(&session, plain).await;
+    let plan = explain(&session.context, plain).await;
     assert!(plan.contains("pages as stored (nothing to push)"), "{plan}");
 
     // A filter, an aggregation: the fragment runs on the nodes.
@@ -78,7 +66,9 @@ async fn scans_with_nothing_to_push_ship_pages_as_stored() {
         let [slices, as_stored, raw] = check(&session, &reference, sql).await;
         assert!(slices > 0, "{sql}");
         assert_eq!((as_stored, raw), (0, 0), "{sql}");
-        assert!(!explain(&session, sql).await.contains("pages as stored"));
+        assert!(!explain(&session.context, sql)
+            .await
+            .contains("pages as stored"));
     }
 
     // A join: the build side (region, nothing to push) comes as stored;
@@ -95,7 +85,9 @@ async fn scans_with_nothing_to_push_ship_pages_as_stored() {
     let [slices, as_stored, raw] = check(&session, &reference, plain).await;
     assert!(slices > 1);
     assert_eq!((as_stored, raw), (0, 0));
-    assert!(!explain(&session, plain).await.contains("pages as stored"));
+    assert!(!explain(&session.context, plain)
+        .await
+        .contains("pages as stored"));
     let (busy_raw, _) = cluster.slices_raw_and_served();
     assert_eq!(busy_raw, 0);
 }
@@ -104,12 +96,7 @@ async fn scans_with_nothing_to_push_ship_pages_as_stored() {
 /// as stored, the compute node leaves out the deleted rows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pages_as_stored_leave_out_deleted_rows() {
-    let root = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("as-stored-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    for node in 0..NODES {
-        std::fs::create_dir_all(node_directory(&root, node)).unwrap();
-    }
+    let root = common::empty_root("as-stored", NODES);
     let (cluster, session) = common::cluster_with_catalog(&root, NODES).await;
 
     let rows = 5_000;

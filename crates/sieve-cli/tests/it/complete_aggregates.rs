@@ -26,13 +26,7 @@ const NODES: usize = 3;
 const SLICE_ROWS: usize = 1000;
 
 fn root(name: &str) -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("complete-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    for node in 0..NODES {
-        std::fs::create_dir_all(node_directory(&root, node)).unwrap();
-    }
-    root
+    crate::common::empty_root(&format!("complete-{name}"), NODES)
 }
 
 /// Rows in order of `k`: runs of 1 to 9 rows per key, NULL keys first (a
@@ -98,17 +92,6 @@ const CASES: &[(&str, bool)] = &[
     // An expression of the key spans slices: partial.
     ("SELECT k % 5 AS m, sum(v) FROM {t} GROUP BY k % 5 HAVING sum(v) > 0", false),
 ];
-
-async fn explain(session: &sieve_compute::SieveSession, sql: &str) -> String {
-    let batches = session
-        .sql(&format!("EXPLAIN {sql}"))
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap();
-    rows_as_text(&batches, false).unwrap().join("\n")
-}
 
 /// The `k` range of every slice file of table `name`.
 fn key_ranges(root: &std::path::Path, name: &str) -> Vec<(Option<i64>, Option<i64>, u64, i64)> {
@@ -259,7 +242,7 @@ async fn check(
                 expected,
                 "ndp {ndp}: {sql}"
             );
-            let plan = explain(session, &sql).await;
+            let plan = crate::common::explain(&session.context, &sql).await;
             let completed = plan.contains("pushed aggregate: complete");
             assert_eq!(
                 completed,

@@ -10,7 +10,7 @@ use sieve_cli::queries::{is_ordered, SSB_QUERIES};
 use sieve_compute::SieveSession;
 use sieve_format::{Benchmark, SliceLayout};
 
-use crate::common::NODES;
+use crate::common::{explain, NODES};
 
 /// SF 0.1: 600,000 line orders, 3,000 customers, 200 suppliers (fewer
 /// leave Q3.3's two British cities without a supplier).
@@ -413,14 +413,7 @@ async fn a_star_join_too_large_for_a_fragment_runs_its_joins_on_the_compute_node
     // share of a slice's rows, the join goes as a join filter.
     let sql = "SELECT count(*) AS n, sum(lo_revenue) AS revenue \
                FROM lineorder JOIN part ON lo_partkey = p_partkey WHERE lo_discount < 5";
-    let explained = rows_as_text(
-        &run(&session.context, &format!("EXPLAIN {sql}"))
-            .await
-            .unwrap(),
-        false,
-    )
-    .unwrap()
-    .join("\n");
+    let explained = explain(&session.context, sql).await;
     assert!(
         !explained.contains("pushed join:") && explained.contains("join filter from"),
         "{explained}"
@@ -438,14 +431,7 @@ async fn a_star_join_too_large_for_a_fragment_runs_its_joins_on_the_compute_node
              FROM lineorder JOIN (SELECT p_partkey, repeat(p_name, {copies}) AS big FROM part) p \
              ON lo_partkey = p_partkey WHERE lo_discount < 5"
         );
-        let explained = rows_as_text(
-            &run(&session.context, &format!("EXPLAIN {sql}"))
-                .await
-                .unwrap(),
-            false,
-        )
-        .unwrap()
-        .join("\n");
+        let explained = explain(&session.context, &sql).await;
         assert!(
             explained.contains("pushed join: dimension(s) part"),
             "{copies}: the star join is not pushed, nothing to test:\n{explained}"

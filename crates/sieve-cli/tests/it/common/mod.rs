@@ -275,3 +275,25 @@ pub(crate) async fn run_with_scan_metrics(
     }
     Ok((batches, sums))
 }
+
+/// The text of `EXPLAIN sql` on `context`, one line per row.
+pub(crate) async fn explain(context: &datafusion::prelude::SessionContext, sql: &str) -> String {
+    let batches = sieve_cli::compare::run(context, &format!("EXPLAIN {sql}"))
+        .await
+        .unwrap();
+    sieve_cli::compare::rows_as_text(&batches, false)
+        .unwrap()
+        .join("\n")
+}
+
+/// An empty data directory `name-<pid>` in the target directory, with
+/// `nodes` empty node directories (tables are made by the test).
+pub(crate) fn empty_root(name: &str, nodes: usize) -> PathBuf {
+    let root =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    for node in 0..nodes {
+        std::fs::create_dir_all(sieve_format::node_directory(&root, node)).unwrap();
+    }
+    root
+}
