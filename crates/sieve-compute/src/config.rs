@@ -55,6 +55,11 @@ extensions_options! {
         /// Apply hash joins' build-side keys (range, IN list, Bloom filter)
         /// on the storage nodes of the probe side.
         pub join_filters: bool, default = true
+        /// Build an inner hash join on its input that no join filter can
+        /// cut (a scan with nothing pushed), when the other input will be
+        /// cut by join filters to fewer rows: the scan then takes this
+        /// join's filter (TPC-H Q9's orders).
+        pub swap_join_sides: bool, default = true
         /// Also filter a scan by the keys of an inner join further up whose
         /// probe key reaches the scan only through other inner joins (TPC-H
         /// Q5's supplier join and its lineitem scan).
@@ -63,8 +68,9 @@ extensions_options! {
         /// bitmap fits (up to 20, always).
         pub join_filter_list_max: usize, default = 1024
         /// Build-side keys up to this many go as a key bitmap or a Bloom
-        /// filter (beyond, the key range only); the compute node collects
-        /// up to four build rows per key to find them. A join filter is
+        /// filter (beyond, the key range only); the compute node keeps up to
+        /// this many distinct keys per key column, in the memory pool, to
+        /// find them. A join filter is
         /// registered once on each storage node of the probe scan, not sent
         /// with every slice request.
         pub join_filter_keys_max: usize, default = 16 * 1024 * 1024

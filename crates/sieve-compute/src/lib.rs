@@ -35,6 +35,7 @@ mod early_start;
 mod estimate;
 mod failover;
 mod join_filter;
+mod join_sides;
 pub mod memory;
 mod nan_safe;
 mod optimizer;
@@ -65,6 +66,7 @@ pub use deep::{
 pub use early_start::{EarlyStartExec, StartScansEarly};
 pub use failover::FailoverSettings;
 pub use join_filter::{JoinFilterSettings, JoinFilterSlot, KeyFilterSlot};
+pub use join_sides::BuildOnFilteredSide;
 pub use optimizer::{PushAggregateToStorage, WaitForJoinFilters};
 pub use range_store::{ClusterRangeStore, RANGE_REQUEST_TIMEOUT_MS};
 pub use scan::{PushedAggregate, ScanOptions, SieveScanExec, BODY_INLINE_BYTES_MAX};

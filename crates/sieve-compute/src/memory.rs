@@ -19,9 +19,10 @@
 //! ([`crate::SieveSession::apply_settings`], a fair pool again).
 //!
 //! Sieve's own buffers are bounded by their own settings and are not in the
-//! pool: slices in flight (`sieve.slices_in_flight`), batches of a scan
-//! started early (`sieve.early_start_buffer_bytes`) and build keys kept for
-//! join filters (`sieve.join_filter_keys_max`).
+//! pool: slices in flight (`sieve.slices_in_flight`) and batches of a scan
+//! started early (`sieve.early_start_buffer_bytes`). Build keys kept for
+//! join filters are in the pool (consumer `BuildKeys`), and bounded by
+//! `sieve.join_filter_keys_max` distinct keys per column.
 
 use std::num::NonZeroUsize;
 use std::sync::Arc;

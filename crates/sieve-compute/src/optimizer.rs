@@ -598,10 +598,6 @@ fn push_having(node: Arc<dyn ExecutionPlan>) -> Result<Transformed<Arc<dyn Execu
 /// possible distinct values is dropped at planning.
 const UNSELECTIVE_BUILD_RATIO: f64 = 0.9;
 
-/// Build rows collected per key `sieve.join_filter_keys_max` allows: a build
-/// side may repeat its keys.
-const BUILD_ROWS_PER_KEY: usize = 4;
-
 /// A hash join whose dynamic filter some scan may hold.
 struct JoinSource {
     /// The dynamic filter's expression id.
@@ -767,9 +763,7 @@ impl PhysicalOptimizerRule for WaitForJoinFilters {
                 None => Arc::new(BuildKeys::new(
                     partitions,
                     join.on().len(),
-                    settings
-                        .join_filter_keys_max
-                        .saturating_mul(BUILD_ROWS_PER_KEY),
+                    settings.join_filter_keys_max,
                 )),
             };
             joins.insert(

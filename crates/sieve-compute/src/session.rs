@@ -151,6 +151,22 @@ pub fn physical_rules_without_static_filter_pushdown(
         .collect()
 }
 
+/// The physical optimizer rules of a Sieve session before Sieve's own that
+/// run last: [`physical_rules_without_static_filter_pushdown`], with
+/// [`crate::BuildOnFilteredSide`] right after DataFusion's `JoinSelection`
+/// (before DataFusion creates the joins' dynamic filters).
+fn physical_rules_with_join_sides() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> {
+    let mut rules = Vec::new();
+    for rule in physical_rules_without_static_filter_pushdown() {
+        let join_selection = rule.name() == "join_selection";
+        rules.push(rule);
+        if join_selection {
+            rules.push(Arc::new(crate::BuildOnFilteredSide) as _);
+        }
+    }
+    rules
+}
+
 /// Like [`connect_session`], starting from `config`. Sieve settings already
 /// in `config` (a [`SieveConfig`] extension) are kept; those read when the
 /// session connects (discovery and byte-range timeouts) take effect only so.
@@ -221,7 +237,7 @@ pub fn session_over(
         .with_analyzer_rules(crate::analyzer_rules_with_depth_limit())
         // Last: every owned table of a statement at one version.
         .with_analyzer_rule(Arc::new(crate::tables::ReadOneVersion))
-        .with_physical_optimizer_rules(physical_rules_without_static_filter_pushdown())
+        .with_physical_optimizer_rules(physical_rules_with_join_sides())
         .with_physical_optimizer_rule(Arc::new(PushAggregateToStorage))
         .with_physical_optimizer_rule(Arc::new(WaitForJoinFilters))
         .with_physical_optimizer_rule(Arc::new(crate::PushStarJoinToStorage))

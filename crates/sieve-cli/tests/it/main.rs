@@ -31,6 +31,7 @@ mod gen;
 mod hostile_requests;
 mod integrity;
 mod join_filter_registry;
+mod join_sides;
 mod memory_bound;
 mod null_joins;
 mod owned_random;

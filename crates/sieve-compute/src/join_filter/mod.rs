@@ -204,7 +204,12 @@ pub(crate) async fn resolve(
                 CollectedKeys::Keys(columns) => build_keys = Some(columns),
                 CollectedKeys::TooMany(rows) => {
                     collected_note = Some(format!(
-                        "{rows} build rows, above what is collected: no membership test"
+                        "{rows} build rows, above sieve.join_filter_keys_max distinct keys: no membership test"
+                    ));
+                }
+                CollectedKeys::MemoryRefused(rows) => {
+                    collected_note = Some(format!(
+                        "{rows} build rows, keys refused by the memory pool: no membership test"
                     ));
                 }
                 CollectedKeys::Incomplete => {}
@@ -281,7 +286,13 @@ async fn resolve_key_slot(
         CollectedKeys::TooMany(rows) => {
             return Ok((
                 vec![],
-                format!("none ({rows} build rows, above what is collected)"),
+                format!("none ({rows} build rows, above sieve.join_filter_keys_max distinct keys)"),
+            ))
+        }
+        CollectedKeys::MemoryRefused(rows) => {
+            return Ok((
+                vec![],
+                format!("none ({rows} build rows, keys refused by the memory pool)"),
             ))
         }
         CollectedKeys::Incomplete => return Ok((vec![], "none (build side incomplete)".into())),
@@ -572,13 +583,16 @@ where
     let mut values: Vec<T::Native> = array.iter().flatten().collect();
     values.sort_unstable();
     values.dedup();
+    // The array takes the vector's buffer, capacity included: the keys
+    // collected for a join are held until the query ends.
+    values.shrink_to_fit();
     Arc::new(
         PrimitiveArray::<T>::from_iter_values(values).with_data_type(array.data_type().clone()),
     )
 }
 
 /// Distinct, non-null values of `array`.
-fn distinct(array: &ArrayRef) -> Result<ArrayRef> {
+pub(crate) fn distinct(array: &ArrayRef) -> Result<ArrayRef> {
     // Join keys are mostly integers: sorting them is several times cheaper
     // than hashing their row encoding.
     match array.data_type() {

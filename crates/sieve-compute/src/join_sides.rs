@@ -1,0 +1,195 @@
+//! Which input of a hash join is built: the one a join filter cannot cut,
+//! when the other will be cut.
+//!
+//! DataFusion's `JoinSelection` builds a hash join on its smaller input, by
+//! statistics. A join's output has none in DataFusion 55 (its rows are
+//! `Absent`), so above a chain of joins the choice falls to the order of
+//! the SQL. TPC-H Q9 at SF 10 builds its orders join on 15 M orders (a scan
+//! with nothing to push) and probes it with 3.3 M lineitem rows that part's
+//! join filter left: the hash table holds every order, and orders ships
+//! whole. Built the other way, the lineitem rows fill the hash table and the
+//! orders scan is the probe side: it takes the join filter of their 3.3 M
+//! order keys, and the storage nodes ship a fifth of orders.
+//!
+//! [`BuildOnFilteredSide`] swaps an inner, partitioned hash join where
+//!
+//! - the build input is a scan with nothing pushed (no filter, no
+//!   aggregation), through projections only: its rows are the table's,
+//!   exact, and nothing upstream can cut them;
+//! - the probe input is cut by join filters: along its chain of inner joins
+//!   a build side is filtered ([`estimated_rows`]), and the probe rows so
+//!   estimated are fewer than the build's.
+//!
+//! It runs right after `JoinSelection`, before DataFusion creates the
+//! join's dynamic filter and links it to the new probe scan
+//! (`FilterPushdown::new_post_optimization`). `sieve.swap_join_sides`
+//! (default on) turns it off; EXPLAIN shows the swapped join (and its probe
+//! scan's `join filter from ...`).
+
+use std::sync::Arc;
+
+use datafusion::common::config::ConfigOptions;
+use datafusion::common::tree_node::{Transformed, TreeNode};
+use datafusion::common::{JoinType, Result};
+use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::filter::FilterExec;
+use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::ExecutionPlan;
+
+use crate::{SieveConfig, SieveScanExec};
+
+/// Builds a hash join on the input no join filter can cut, where the other
+/// input will be cut to fewer rows (see the module documentation).
+#[derive(Debug, Default)]
+pub struct BuildOnFilteredSide;
+
+impl PhysicalOptimizerRule for BuildOnFilteredSide {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        config: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let settings = SieveConfig::of(config);
+        if !settings.swap_join_sides || !settings.join_filters {
+            return Ok(plan);
+        }
+        plan.transform_up(|node| {
+            let Some(join) = node.downcast_ref::<HashJoinExec>() else {
+                return Ok(Transformed::no(node));
+            };
+            if !should_swap(join) {
+                return Ok(Transformed::no(node));
+            }
+            // Refused only where a dynamic filter already exists (the rule
+            // placed after DataFusion links them): the join stays as it is.
+            match join.swap_inputs(PartitionMode::Partitioned) {
+                Ok(swapped) => Ok(Transformed::yes(swapped)),
+                Err(_) => Ok(Transformed::no(node)),
+            }
+        })
+        .map(|transformed| transformed.data)
+    }
+
+    fn name(&self) -> &str {
+        "sieve_build_on_filtered_side"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+fn should_swap(join: &HashJoinExec) -> bool {
+    if *join.join_type() != JoinType::Inner
+        || *join.partition_mode() != PartitionMode::Partitioned
+        || !join.dynamic_expressions_produced().is_empty()
+    {
+        return false;
+    }
+    let Some(build_rows) = plain_scan_rows(join.left()) else {
+        return false;
+    };
+    match estimated_rows(join.right()) {
+        Some(Estimate { rows, cut: true }) => rows < build_rows as f64,
+        _ => false,
+    }
+}
+
+/// The exact rows of a scan with nothing pushed, under projections only.
+fn plain_scan_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<usize> {
+    if let Some(scan) = plan.downcast_ref::<SieveScanExec>() {
+        if scan.predicate().is_some()
+            || scan.aggregate().is_some()
+            || scan.star_join().is_some()
+            || scan.has_join_filters()
+        {
+            return None;
+        }
+        return scan.estimated_rows();
+    }
+    if plan.downcast_ref::<ProjectionExec>().is_some() {
+        let [input] = &plan.children()[..] else {
+            return None;
+        };
+        return plain_scan_rows(input);
+    }
+    None
+}
+
+/// Rows a plan is estimated to yield, with the join filters its inner joins
+/// will apply to their probe scans.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Estimate {
+    pub(crate) rows: f64,
+    /// Some filter or join filter cuts these rows below the table's.
+    pub(crate) cut: bool,
+}
+
+/// Estimated rows of `plan` where each inner hash join keeps the share of
+/// its probe rows that its build side keeps of its table (a key of the
+/// probe side that references the build side's table, as foreign keys do):
+/// Q9's part join keeps lineitem's rows in the share of part that matches
+/// `p_name LIKE '%green%'`. `None` where the plan holds anything else.
+pub(crate) fn estimated_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<Estimate> {
+    if let Some(scan) = plan.downcast_ref::<SieveScanExec>() {
+        if scan.aggregate().is_some() || scan.star_join().is_some() {
+            return None;
+        }
+        let table = scan.table().statistics.num_rows.get_value().copied()? as f64;
+        let rows = scan.estimated_rows()? as f64;
+        return Some(Estimate {
+            rows,
+            cut: rows < table,
+        });
+    }
+    if let Some(join) = plan.downcast_ref::<HashJoinExec>() {
+        if *join.join_type() != JoinType::Inner {
+            return None;
+        }
+        let build = estimated_rows(join.left())?;
+        let probe = estimated_rows(join.right())?;
+        let share = match table_rows(join.left()) {
+            Some(table) if table > 0.0 => (build.rows / table).min(1.0),
+            _ => 1.0,
+        };
+        return Some(Estimate {
+            rows: probe.rows * share,
+            cut: probe.cut || share < 1.0,
+        });
+    }
+    let passes_through = plan.downcast_ref::<ProjectionExec>().is_some()
+        || plan.downcast_ref::<RepartitionExec>().is_some()
+        || plan.downcast_ref::<CoalescePartitionsExec>().is_some()
+        || plan.downcast_ref::<FilterExec>().is_some();
+    if passes_through {
+        let [input] = &plan.children()[..] else {
+            return None;
+        };
+        return estimated_rows(input);
+    }
+    None
+}
+
+/// The rows of the table at the bottom of a join's build side: its scan's
+/// table, through projections, repartitions, filters and the probe sides
+/// of inner joins.
+fn table_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<f64> {
+    if let Some(scan) = plan.downcast_ref::<SieveScanExec>() {
+        return scan
+            .table()
+            .statistics
+            .num_rows
+            .get_value()
+            .map(|&rows| rows as f64);
+    }
+    if let Some(join) = plan.downcast_ref::<HashJoinExec>() {
+        return table_rows(join.right());
+    }
+    let [input] = &plan.children()[..] else {
+        return None;
+    };
+    table_rows(input)
+}
