@@ -37,8 +37,12 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use arrow::array::{Array, ArrayRef};
+use arrow::array::{Array, ArrayRef, ArrowPrimitiveType, AsArray, PrimitiveArray};
 use arrow::compute::concat;
+use arrow::datatypes::{
+    DataType, Date32Type, Date64Type, Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type,
+    UInt32Type, UInt64Type, UInt8Type,
+};
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::common::{internal_err, DataFusionError, Result, Statistics};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryPool, MemoryReservation};
@@ -185,7 +189,7 @@ impl BuildKeys {
     /// Add one build batch's key arrays; `pool` is the query's memory pool.
     fn push(&self, keys: Vec<ArrayRef>, pool: &Arc<dyn MemoryPool>) -> Result<()> {
         let rows = keys.first().map_or(0, |array| array.len());
-        let mut compact = Vec::new();
+        let mut to_compact = Vec::new();
         {
             let mut state = self.state.lock().expect("never poisoned");
             state.rows += rows;
@@ -200,7 +204,7 @@ impl BuildKeys {
                 column.pending.push(array);
                 if column.wants_compaction() {
                     column.compacting = true;
-                    compact.push((
+                    to_compact.push((
                         index,
                         column.distinct.take(),
                         std::mem::take(&mut column.pending),
@@ -208,7 +212,7 @@ impl BuildKeys {
                     column.pending_rows = 0;
                 }
             }
-            if compact.is_empty() {
+            if to_compact.is_empty() {
                 self.account(&mut state);
                 return Ok(());
             }
@@ -216,14 +220,9 @@ impl BuildKeys {
         // Sorting millions of keys under the lock would stall the other
         // build partitions: compact outside it, values added meanwhile wait
         // in `pending`.
-        let mut compacted = Vec::with_capacity(compact.len());
-        for (index, distinct, pending) in compact {
-            let arrays: Vec<ArrayRef> = distinct.into_iter().chain(pending).collect();
-            let parts: Vec<&dyn Array> = arrays.iter().map(|array| array.as_ref()).collect();
-            let result = concat(&parts)
-                .map_err(DataFusionError::from)
-                .and_then(|all| crate::join_filter::distinct(&all));
-            compacted.push((index, result));
+        let mut compacted = Vec::with_capacity(to_compact.len());
+        for (index, distinct, pending) in to_compact {
+            compacted.push((index, compact(distinct, &pending)));
         }
         let mut state = self.state.lock().expect("never poisoned");
         let mut failed = None;
@@ -294,10 +293,7 @@ impl BuildKeys {
                     if column.pending.is_empty() {
                         return Ok(());
                     }
-                    let arrays = column.arrays();
-                    let parts: Vec<&dyn Array> =
-                        arrays.iter().map(|array| array.as_ref()).collect();
-                    column.distinct = Some(crate::join_filter::distinct(&concat(&parts)?)?);
+                    column.distinct = Some(compact(column.distinct.take(), &column.pending)?);
                     column.pending.clear();
                     column.pending_rows = 0;
                     Ok::<_, DataFusionError>(())
@@ -333,6 +329,89 @@ impl BuildKeys {
             .as_ref()
             .map_or(0, MemoryReservation::size)
     }
+}
+
+/// The distinct values of `distinct` (a previous compaction's result) and
+/// `pending`. Integers and dates: `distinct` is sorted, so only `pending`
+/// is sorted and the two are merged (each value is sorted about once, as
+/// one sort of every key at the end would); anything else through
+/// [`crate::join_filter::distinct`] over all of them.
+fn compact(distinct: Option<ArrayRef>, pending: &[ArrayRef]) -> Result<ArrayRef> {
+    let data_type = match (&distinct, pending.first()) {
+        (Some(array), _) | (None, Some(array)) => array.data_type().clone(),
+        (None, None) => return internal_err!("nothing to compact"),
+    };
+    macro_rules! merged {
+        ($arrow:ty) => {
+            return Ok(merge_sorted::<$arrow>(
+                distinct.as_ref(),
+                pending,
+                &data_type,
+            ))
+        };
+    }
+    match data_type {
+        DataType::Int8 => merged!(Int8Type),
+        DataType::Int16 => merged!(Int16Type),
+        DataType::Int32 => merged!(Int32Type),
+        DataType::Int64 => merged!(Int64Type),
+        DataType::UInt8 => merged!(UInt8Type),
+        DataType::UInt16 => merged!(UInt16Type),
+        DataType::UInt32 => merged!(UInt32Type),
+        DataType::UInt64 => merged!(UInt64Type),
+        DataType::Date32 => merged!(Date32Type),
+        DataType::Date64 => merged!(Date64Type),
+        _ => {}
+    }
+    let arrays: Vec<&dyn Array> = distinct
+        .iter()
+        .chain(pending)
+        .map(|array| array.as_ref())
+        .collect();
+    crate::join_filter::distinct(&concat(&arrays)?)
+}
+
+/// `sorted` (distinct, ascending, no NULLs) merged with the distinct
+/// non-NULL values of `pending`.
+fn merge_sorted<T: ArrowPrimitiveType>(
+    sorted: Option<&ArrayRef>,
+    pending: &[ArrayRef],
+    data_type: &DataType,
+) -> ArrayRef
+where
+    T::Native: Ord,
+{
+    let mut added: Vec<T::Native> = pending
+        .iter()
+        .flat_map(|array| array.as_primitive::<T>().iter().flatten())
+        .collect();
+    added.sort_unstable();
+    added.dedup();
+    let old: &[T::Native] = sorted.map_or(&[], |array| array.as_primitive::<T>().values());
+    let mut merged = Vec::with_capacity(old.len() + added.len());
+    let (mut left, mut right) = (0, 0);
+    while left < old.len() && right < added.len() {
+        match old[left].cmp(&added[right]) {
+            std::cmp::Ordering::Less => {
+                merged.push(old[left]);
+                left += 1;
+            }
+            std::cmp::Ordering::Greater => {
+                merged.push(added[right]);
+                right += 1;
+            }
+            std::cmp::Ordering::Equal => {
+                merged.push(old[left]);
+                left += 1;
+                right += 1;
+            }
+        }
+    }
+    merged.extend_from_slice(&old[left..]);
+    merged.extend_from_slice(&added[right..]);
+    // The array takes the vector's buffer, capacity included.
+    merged.shrink_to_fit();
+    Arc::new(PrimitiveArray::<T>::from_iter_values(merged).with_data_type(data_type.clone()))
 }
 
 /// Passes its input through unchanged, handing the values of `keys` in every
