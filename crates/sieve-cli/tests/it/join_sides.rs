@@ -18,7 +18,7 @@ use sieve_cli::compare::{reference_context, rows_as_text, run};
 use sieve_compute::{SieveScanExec, SieveSession};
 
 use crate::common::{self, explain, NODES};
-use crate::plans::metric;
+use crate::plans::{find_scans, metric, physical_plan};
 
 /// Partitioned hash joins at any size (SF 0.01 is below DataFusion's
 /// thresholds for collecting a build side into one partition).
@@ -55,14 +55,7 @@ async fn check(
 ) -> usize {
     let expected = rows_as_text(&run(reference, sql).await.unwrap(), true).unwrap();
     assert!(!expected.is_empty(), "{sql}: nothing to compare");
-    let plan = session
-        .context
-        .sql(sql)
-        .await
-        .unwrap()
-        .create_physical_plan()
-        .await
-        .unwrap();
+    let plan = physical_plan(session, sql).await;
     let batches = collect(Arc::clone(&plan), session.context.task_ctx())
         .await
         .unwrap_or_else(|error| panic!("{sql}: {error}"));
@@ -71,15 +64,14 @@ async fn check(
         expected,
         "{sql} differs from plain DataFusion"
     );
+    let mut scans = Vec::new();
+    find_scans(&plan, &mut scans);
     let mut rows = 0;
-    let mut pending = vec![plan];
-    while let Some(node) = pending.pop() {
-        if let Some(scan) = node.downcast_ref::<SieveScanExec>() {
-            if common::sql_name(&scan.table().name) == table {
-                rows += metric(&node, "output_rows");
-            }
+    for scan in &scans {
+        let exec = scan.downcast_ref::<SieveScanExec>().expect("a scan");
+        if common::sql_name(&exec.table().name) == table {
+            rows += metric(scan, "output_rows");
         }
-        pending.extend(node.children().into_iter().cloned());
     }
     rows
 }
