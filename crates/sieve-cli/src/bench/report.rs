@@ -363,6 +363,7 @@ impl BenchReport {
         );
         header.extend(modes.iter().map(|mode| format!("{mode} MB")));
         header.extend(modes.iter().map(|mode| format!("{mode} J")));
+        header.extend(modes.iter().map(|mode| format!("{mode} peak MB")));
         out.push_str(&format!("| {} |\n", header.join(" | ")));
         out.push_str(&format!(
             "|{}|\n",
@@ -372,7 +373,19 @@ impl BenchReport {
             Some(bytes) => format!("{:.2}", bytes / 1e6),
             None => "-".into(),
         };
-        let row = |name: &str, walls: Vec<f64>, bytes: Vec<Option<f64>>, joules: Vec<f64>| {
+        // The compute process's peak resident memory while the query ran
+        // (`VmHWM`, reset before each run): which query sets the peak.
+        let peaks = |peaks: Vec<Option<u64>>| -> Vec<Option<f64>> {
+            peaks
+                .into_iter()
+                .map(|peak| peak.map(|b| b as f64))
+                .collect()
+        };
+        let row = |name: &str,
+                   walls: Vec<f64>,
+                   bytes: Vec<Option<f64>>,
+                   joules: Vec<f64>,
+                   peak: Vec<Option<f64>>| {
             let mut cells = vec![name.to_string()];
             cells.extend(walls.iter().map(|wall| format!("{wall:.1}")));
             cells.extend(
@@ -383,6 +396,10 @@ impl BenchReport {
             );
             cells.extend(bytes.iter().map(|bytes| megabytes(*bytes)));
             cells.extend(joules.iter().map(|joules| format!("{joules:.2}")));
+            cells.extend(peak.iter().map(|peak| match peak {
+                Some(peak) => format!("{:.0}", peak / 1e6),
+                None => "-".into(),
+            }));
             format!("| {} |\n", cells.join(" | "))
         };
         for query in &self.queries {
@@ -391,6 +408,13 @@ impl BenchReport {
                 query.modes.iter().map(|m| m.wall_ms_median).collect(),
                 query.modes.iter().map(|m| m.bytes_moved).collect(),
                 query.modes.iter().map(|m| m.energy_joules).collect(),
+                peaks(
+                    query
+                        .modes
+                        .iter()
+                        .map(|m| m.compute_peak_rss_bytes)
+                        .collect(),
+                ),
             ));
         }
         for failed in &self.failed {
@@ -419,6 +443,7 @@ impl BenchReport {
             totals.iter().map(|t| t.wall_ms).collect(),
             totals.iter().map(|t| t.bytes_moved).collect(),
             totals.iter().map(|t| t.energy_joules).collect(),
+            peaks(totals.iter().map(|t| t.compute_peak_rss_bytes).collect()),
         ));
         out.push('\n');
         for (mode, total) in modes.iter().zip(&totals) {
