@@ -364,6 +364,7 @@ impl BenchReport {
         header.extend(modes.iter().map(|mode| format!("{mode} MB")));
         header.extend(modes.iter().map(|mode| format!("{mode} J")));
         header.extend(modes.iter().map(|mode| format!("{mode} peak MB")));
+        header.extend(modes.iter().map(|mode| format!("{mode} node peak MB")));
         out.push_str(&format!("| {} |\n", header.join(" | ")));
         out.push_str(&format!(
             "|{}|\n",
@@ -373,8 +374,9 @@ impl BenchReport {
             Some(bytes) => format!("{:.2}", bytes / 1e6),
             None => "-".into(),
         };
-        // The compute process's peak resident memory while the query ran
-        // (`VmHWM`, reset before each run): which query sets the peak.
+        // The compute process's and the largest storage node's peak resident
+        // memory while the query ran (`VmHWM`, reset before each run): which
+        // query sets the peak.
         let peaks = |peaks: Vec<Option<u64>>| -> Vec<Option<f64>> {
             peaks
                 .into_iter()
@@ -385,7 +387,8 @@ impl BenchReport {
                    walls: Vec<f64>,
                    bytes: Vec<Option<f64>>,
                    joules: Vec<f64>,
-                   peak: Vec<Option<f64>>| {
+                   peak: Vec<Option<f64>>,
+                   node_peak: Vec<Option<f64>>| {
             let mut cells = vec![name.to_string()];
             cells.extend(walls.iter().map(|wall| format!("{wall:.1}")));
             cells.extend(
@@ -396,7 +399,7 @@ impl BenchReport {
             );
             cells.extend(bytes.iter().map(|bytes| megabytes(*bytes)));
             cells.extend(joules.iter().map(|joules| format!("{joules:.2}")));
-            cells.extend(peak.iter().map(|peak| match peak {
+            cells.extend(peak.iter().chain(&node_peak).map(|peak| match peak {
                 Some(peak) => format!("{:.0}", peak / 1e6),
                 None => "-".into(),
             }));
@@ -413,6 +416,13 @@ impl BenchReport {
                         .modes
                         .iter()
                         .map(|m| m.compute_peak_rss_bytes)
+                        .collect(),
+                ),
+                peaks(
+                    query
+                        .modes
+                        .iter()
+                        .map(|m| m.storage_peak_rss_bytes)
                         .collect(),
                 ),
             ));
@@ -444,6 +454,7 @@ impl BenchReport {
             totals.iter().map(|t| t.bytes_moved).collect(),
             totals.iter().map(|t| t.energy_joules).collect(),
             peaks(totals.iter().map(|t| t.compute_peak_rss_bytes).collect()),
+            peaks(totals.iter().map(|t| t.storage_peak_rss_bytes).collect()),
         ));
         out.push('\n');
         for (mode, total) in modes.iter().zip(&totals) {
