@@ -52,6 +52,7 @@ use datafusion::physical_plan::statistics::{ChildStats, StatisticsArgs};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
 use futures::StreamExt;
+use sieve_fragment::KEY_BITMAP_BYTES_MAX;
 
 /// The keys one hash join's build side produced, per key column.
 #[derive(Debug)]
@@ -93,10 +94,14 @@ enum Stopped {
     TooManyKeys,
     /// The memory pool refused the bytes.
     MemoryRefused,
+    /// A column's keys went over to a bitmap, and a later key widened its
+    /// range past [`KEY_BITMAP_BYTES_MAX`].
+    RangeTooWide,
 }
 
 /// One key column's values: those distinct ones a compaction left, and
-/// those added since.
+/// those added since; or, once an integer column holds many keys in a
+/// range narrow enough, a bitmap of them.
 #[derive(Debug, Default)]
 struct KeyColumn {
     distinct: Option<ArrayRef>,
@@ -104,6 +109,9 @@ struct KeyColumn {
     pending_rows: usize,
     /// A compaction of this column runs outside the lock.
     compacting: bool,
+    /// The keys as a bitmap (then `distinct` and `pending` are empty, and
+    /// each batch's keys are set in it as they pass).
+    bits: Option<Arc<KeyBits>>,
 }
 
 impl KeyColumn {
@@ -112,7 +120,9 @@ impl KeyColumn {
     }
 
     fn wants_compaction(&self) -> bool {
-        !self.compacting && self.pending_rows >= self.distinct_rows().max(COMPACT_ROWS_MIN)
+        self.bits.is_none()
+            && !self.compacting
+            && self.pending_rows >= self.distinct_rows().max(COMPACT_ROWS_MIN)
     }
 
     fn bytes(&self) -> usize {
@@ -120,25 +130,252 @@ impl KeyColumn {
             .iter()
             .chain(&self.pending)
             .map(|array| array.get_array_memory_size())
+            .sum::<usize>()
+            + self.bits.as_ref().map_or(0, |bits| bits.bytes())
+    }
+
+    fn keys(&self) -> ColumnKeys {
+        match &self.bits {
+            Some(bits) => ColumnKeys::Bits(Arc::clone(bits)),
+            None => {
+                ColumnKeys::Values(self.distinct.iter().chain(&self.pending).cloned().collect())
+            }
+        }
+    }
+
+    /// After a compaction: an integer column of more than `switch_keys`
+    /// distinct keys whose range takes fewer bytes as a bitmap than as
+    /// values goes over to a bitmap, which no longer grows with the keys,
+    /// only with their range (bounded by [`KEY_BITMAP_BYTES_MAX`]).
+    fn maybe_to_bits(&mut self, switch_keys: usize) {
+        let Some(distinct) = &self.distinct else {
+            return;
+        };
+        if self.bits.is_some() || distinct.len() <= switch_keys {
+            return;
+        }
+        let Some((low, high)) = KeyBits::bounds(distinct) else {
+            return;
+        };
+        let bitmap_bytes = KeyBits::span_words(low, high).saturating_mul(8);
+        if bitmap_bytes > KEY_BITMAP_BYTES_MAX || bitmap_bytes > distinct.get_array_memory_size() {
+            return;
+        }
+        let mut bits = KeyBits::new(distinct.data_type().clone(), low, high);
+        bits.insert(distinct);
+        for array in &self.pending {
+            if !bits.insert(array) {
+                // A pending key widens the range past the bound: stay
+                // with values.
+                return;
+            }
+        }
+        self.bits = Some(Arc::new(bits));
+        self.distinct = None;
+        self.pending.clear();
+        self.pending_rows = 0;
+    }
+}
+
+/// A key column's distinct integer keys as a bitmap: bit `i` of word `w`
+/// stands for the value `base + 64 * w + i`. It grows to take keys outside
+/// its range, up to [`KEY_BITMAP_BYTES_MAX`].
+#[derive(Debug, Clone)]
+pub struct KeyBits {
+    /// The build keys' type (the values are its integers, widened to i64).
+    data_type: DataType,
+    /// A multiple of 64.
+    base: i64,
+    words: Vec<u64>,
+}
+
+impl KeyBits {
+    /// An empty bitmap covering `[low, high]`.
+    fn new(data_type: DataType, low: i64, high: i64) -> Self {
+        let base = low.div_euclid(64).saturating_mul(64);
+        Self {
+            data_type,
+            base,
+            words: vec![0; Self::span_words(base, high)],
+        }
+    }
+
+    /// Words covering `[low, high]` from a multiple of 64 at or below `low`.
+    fn span_words(low: i64, high: i64) -> usize {
+        let base = i128::from(low.div_euclid(64)) * 64;
+        usize::try_from((i128::from(high) - base) / 64 + 1).unwrap_or(usize::MAX)
+    }
+
+    /// Smallest and largest non-NULL value of an integer array; `None` for
+    /// other types (UInt64 included: not every value is an i64) or no value.
+    fn bounds(array: &ArrayRef) -> Option<(i64, i64)> {
+        let mut found: Option<(i64, i64)> = None;
+        each_integer(array, |value| {
+            found = Some(match found {
+                None => (value, value),
+                Some((low, high)) => (low.min(value), high.max(value)),
+            });
+        })?;
+        found
+    }
+
+    /// Set the bits of `array`'s non-NULL values, growing the range to take
+    /// them; `false` (nothing set) if the range would pass
+    /// [`KEY_BITMAP_BYTES_MAX`] or the array is not of integers.
+    fn insert(&mut self, array: &ArrayRef) -> bool {
+        let Some((low, high)) = Self::bounds(array) else {
+            return array.null_count() == array.len();
+        };
+        let top = self
+            .base
+            .saturating_add((self.words.len() as i64).saturating_mul(64) - 1);
+        let (low, high) = (low.min(self.base), high.max(top));
+        let words = Self::span_words(low, high);
+        if words.saturating_mul(8) > KEY_BITMAP_BYTES_MAX {
+            return false;
+        }
+        let base = low.div_euclid(64).saturating_mul(64);
+        if base < self.base {
+            // Keys below the range: shift the words up, with room for more
+            // below (up to half the words again) so that keys arriving in
+            // descending order do not copy the bitmap each time.
+            let needed = usize::try_from((self.base - base) / 64).unwrap_or(usize::MAX);
+            let room = (self.words.len() / 2)
+                .min(KEY_BITMAP_BYTES_MAX / 8 - words)
+                .min(usize::try_from((i128::from(base) - i128::from(i64::MIN)) / 64).unwrap_or(0));
+            let prepend = needed + room;
+            let mut grown = vec![0u64; prepend + self.words.len()];
+            grown[prepend..].copy_from_slice(&self.words);
+            self.words = grown;
+            self.base -= (prepend as i64) * 64;
+        }
+        let needed = Self::span_words(self.base, high);
+        if needed > self.words.len() {
+            // Doubling, as a vector does, but never past the bound.
+            let target = (self.words.capacity() * 2).clamp(needed, KEY_BITMAP_BYTES_MAX / 8);
+            self.words.reserve_exact(target - self.words.len());
+            self.words.resize(needed, 0);
+        }
+        let (base, words) = (self.base, self.words.as_mut_slice());
+        each_integer(array, |value| {
+            let offset = (value - base) as u64;
+            words[(offset >> 6) as usize] |= 1 << (offset & 63);
+        });
+        true
+    }
+
+    /// Bytes of the words.
+    pub fn bytes(&self) -> usize {
+        self.words.capacity() * 8
+    }
+
+    /// The build keys' type.
+    pub fn data_type(&self) -> &DataType {
+        &self.data_type
+    }
+
+    /// Number of keys set.
+    pub fn keys(&self) -> u64 {
+        self.words
+            .iter()
+            .map(|word| u64::from(word.count_ones()))
             .sum()
     }
 
-    fn arrays(&self) -> Vec<ArrayRef> {
-        self.distinct.iter().chain(&self.pending).cloned().collect()
+    /// The smallest and largest key, if any.
+    pub fn low_high(&self) -> Option<(i64, i64)> {
+        let first = self.words.iter().position(|word| *word != 0)?;
+        let last = self.words.iter().rposition(|word| *word != 0)?;
+        Some((
+            self.base + 64 * first as i64 + i64::from(self.words[first].trailing_zeros()),
+            self.base + 64 * last as i64 + 63 - i64::from(self.words[last].leading_zeros()),
+        ))
     }
+
+    /// The words from the one holding the smallest key to the one holding
+    /// the largest, with the value of their first bit and the number of
+    /// values from it to the largest key: what a key bitmap is made of.
+    pub fn trimmed(&self) -> Option<(i64, u64, Vec<u64>)> {
+        let (low, high) = self.low_high()?;
+        let first = usize::try_from((low - self.base) / 64).ok()?;
+        let last = usize::try_from((high - self.base) / 64).ok()?;
+        let base = self.base + 64 * first as i64;
+        Some((
+            base,
+            (high - base) as u64 + 1,
+            self.words[first..=last].to_vec(),
+        ))
+    }
+
+    /// The keys as an array of the build keys' type, ascending.
+    pub fn values(&self) -> Result<ArrayRef> {
+        let mut values = Vec::new();
+        for (index, word) in self.words.iter().enumerate() {
+            let mut word = *word;
+            while word != 0 {
+                values.push(self.base + 64 * index as i64 + i64::from(word.trailing_zeros()));
+                word &= word - 1;
+            }
+        }
+        let values: ArrayRef = Arc::new(PrimitiveArray::<Int64Type>::from_iter_values(values));
+        let values = match self.data_type {
+            // Dates of days are 32-bit integers.
+            DataType::Date32 => arrow::compute::cast(&values, &DataType::Int32)?,
+            _ => values,
+        };
+        Ok(arrow::compute::cast(&values, &self.data_type)?)
+    }
+}
+
+/// `f(value)` for each non-NULL value of an integer or date array, widened
+/// to i64; `None` for any other type (UInt64 among them).
+fn each_integer(array: &ArrayRef, mut f: impl FnMut(i64)) -> Option<()> {
+    macro_rules! each {
+        ($arrow:ty) => {{
+            array
+                .as_primitive::<$arrow>()
+                .iter()
+                .flatten()
+                .for_each(|value| f(i64::from(value)));
+            Some(())
+        }};
+    }
+    match array.data_type() {
+        DataType::Int8 => each!(Int8Type),
+        DataType::Int16 => each!(Int16Type),
+        DataType::Int32 => each!(Int32Type),
+        DataType::Int64 => each!(Int64Type),
+        DataType::UInt8 => each!(UInt8Type),
+        DataType::UInt16 => each!(UInt16Type),
+        DataType::UInt32 => each!(UInt32Type),
+        DataType::Date32 => each!(Date32Type),
+        DataType::Date64 => each!(Date64Type),
+        _ => None,
+    }
+}
+
+/// One key column's keys once the build side is complete.
+#[derive(Debug, Clone)]
+pub enum ColumnKeys {
+    /// Values, distinct within each array, possibly repeated across them.
+    Values(Vec<ArrayRef>),
+    /// Integer keys as a bitmap.
+    Bits(Arc<KeyBits>),
 }
 
 /// What the collector holds once the build side is complete.
 #[derive(Debug, Clone)]
 pub enum CollectedKeys {
-    /// Each key column's values (distinct within each array, possibly
-    /// repeated across them), in join key order.
-    Keys(Vec<Vec<ArrayRef>>),
+    /// Each key column's keys, in join key order.
+    Keys(Vec<ColumnKeys>),
     /// More distinct keys than the collector keeps, after this many build
     /// rows.
     TooMany(usize),
     /// The memory pool refused the keys, after this many build rows.
     MemoryRefused(usize),
+    /// A column's keys, kept as a bitmap, spread over a range wider than a
+    /// bitmap may be, after this many build rows.
+    TooWide(usize),
     /// Some build partition has not been read to its end.
     Incomplete,
 }
@@ -199,7 +436,12 @@ impl BuildKeys {
             if state.reservation.is_none() {
                 state.reservation = Some(MemoryConsumer::new("BuildKeys").register(pool));
             }
+            let mut too_wide = false;
             for (index, (column, array)) in state.columns.iter_mut().zip(keys).enumerate() {
+                if let Some(bits) = column.bits.as_mut() {
+                    too_wide |= !Arc::make_mut(bits).insert(&array);
+                    continue;
+                }
                 column.pending_rows += array.len();
                 column.pending.push(array);
                 if column.wants_compaction() {
@@ -211,6 +453,10 @@ impl BuildKeys {
                     ));
                     column.pending_rows = 0;
                 }
+            }
+            if too_wide {
+                self.stop(&mut state, Stopped::RangeTooWide);
+                return Ok(());
             }
             if to_compact.is_empty() {
                 self.account(&mut state);
@@ -233,7 +479,10 @@ impl BuildKeys {
             match result {
                 // Stopped meanwhile: the keys are no longer kept.
                 Ok(_) if stopped => {}
-                Ok(distinct) => column.distinct = Some(distinct),
+                Ok(distinct) => {
+                    column.distinct = Some(distinct);
+                    column.maybe_to_bits(self.bits_after_keys());
+                }
                 Err(error) => failed = Some(error),
             }
         }
@@ -244,6 +493,28 @@ impl BuildKeys {
             self.account(&mut state);
         }
         Ok(())
+    }
+
+    /// Distinct keys of an integer column past which it may go over to a
+    /// bitmap: a quarter of `keys_max`, so that key sets a Bloom filter or
+    /// a list would hold stay values, and those that would pass
+    /// `keys_max` are a bitmap by then.
+    fn bits_after_keys(&self) -> usize {
+        self.keys_max / 4
+    }
+
+    /// Stop keeping keys, for `why`.
+    fn stop(&self, state: &mut KeysState, why: Stopped) {
+        state.stopped = Some(why);
+        state.columns.iter_mut().for_each(|column| {
+            column.distinct = None;
+            column.pending.clear();
+            column.pending_rows = 0;
+            column.bits = None;
+        });
+        if let Some(reservation) = state.reservation.as_mut() {
+            reservation.free();
+        }
     }
 
     /// Stop if a column holds too many distinct keys, else reserve what the
@@ -266,16 +537,8 @@ impl BuildKeys {
                 _ => None,
             }
         };
-        if stopped.is_some() {
-            state.stopped = stopped;
-            state.columns.iter_mut().for_each(|column| {
-                column.distinct = None;
-                column.pending.clear();
-                column.pending_rows = 0;
-            });
-            if let Some(reservation) = state.reservation.as_mut() {
-                reservation.free();
-            }
+        if let Some(why) = stopped {
+            self.stop(state, why);
         }
     }
 
@@ -296,6 +559,7 @@ impl BuildKeys {
                     column.distinct = Some(compact(column.distinct.take(), &column.pending)?);
                     column.pending.clear();
                     column.pending_rows = 0;
+                    column.maybe_to_bits(self.bits_after_keys());
                     Ok::<_, DataFusionError>(())
                 });
                 self.account(&mut state);
@@ -317,7 +581,8 @@ impl BuildKeys {
         match state.stopped {
             Some(Stopped::TooManyKeys) => CollectedKeys::TooMany(state.rows),
             Some(Stopped::MemoryRefused) => CollectedKeys::MemoryRefused(state.rows),
-            None => CollectedKeys::Keys(state.columns.iter().map(KeyColumn::arrays).collect()),
+            Some(Stopped::RangeTooWide) => CollectedKeys::TooWide(state.rows),
+            None => CollectedKeys::Keys(state.columns.iter().map(KeyColumn::keys).collect()),
         }
     }
 
@@ -595,8 +860,16 @@ mod tests {
             panic!("complete after both partitions");
         };
         // One array of the distinct keys.
-        assert_eq!(columns[0].len(), 1);
-        assert_eq!(sorted_i64(&columns[0][0]), vec![1, 2, 7]);
+        let keys = values(&columns[0]);
+        assert_eq!(keys.len(), 1);
+        assert_eq!(sorted_i64(&keys[0]), vec![1, 2, 7]);
+    }
+
+    fn values(keys: &ColumnKeys) -> Vec<ArrayRef> {
+        match keys {
+            ColumnKeys::Values(arrays) => arrays.clone(),
+            ColumnKeys::Bits(bits) => panic!("kept as a bitmap: {bits:?}"),
+        }
     }
 
     fn sorted_i64(array: &ArrayRef) -> Vec<i64> {
@@ -681,10 +954,11 @@ mod tests {
             panic!("1,000 distinct keys are below the bound");
         };
         let expected: Vec<i64> = (0..1000).filter(|key| key % 97 != 0).collect();
-        assert_eq!(columns[0].len(), 1);
-        assert_eq!(sorted_i64(&columns[0][0]), expected);
-        assert_eq!(columns[1].len(), 1);
-        let mut names: Vec<String> = columns[1][0]
+        let (ints, strings) = (values(&columns[0]), values(&columns[1]));
+        assert_eq!(ints.len(), 1);
+        assert_eq!(sorted_i64(&ints[0]), expected);
+        assert_eq!(strings.len(), 1);
+        let mut names: Vec<String> = strings[0]
             .as_any()
             .downcast_ref::<StringArray>()
             .unwrap()
@@ -694,7 +968,7 @@ mod tests {
         names.sort();
         names.dedup();
         assert_eq!(names.len(), 300);
-        assert_eq!(columns[1][0].len(), 300);
+        assert_eq!(strings[0].len(), 300);
         let held = collector.bytes();
         assert!(held > 0 && held < 64 << 10, "{held} bytes for 1,300 keys");
         assert_eq!(pool.reserved(), held);
@@ -731,15 +1005,157 @@ mod tests {
 
     #[tokio::test]
     async fn more_distinct_keys_than_the_bound_are_not_kept() {
+        // Spread too wide for a bitmap (2^50 values).
         let collector = Arc::new(BuildKeys::new(1, 1, 2));
         let tap = BuildKeysExec::new(
-            input(vec![vec![1, 2, 3]]),
+            input(vec![vec![1, 1 << 40, 1 << 50]]),
             vec![Arc::new(Column::new("k", 0))],
             Arc::clone(&collector),
         );
         collect(tap.execute(0, Arc::new(TaskContext::default())).unwrap())
             .await
             .unwrap();
-        assert!(matches!(collector.collected(), CollectedKeys::TooMany(3)));
+        assert!(
+            matches!(collector.collected(), CollectedKeys::TooMany(3)),
+            "{:?}",
+            collector.collected()
+        );
+    }
+
+    fn batches_of(schema: &Arc<Schema>, keys: Vec<Vec<Option<i64>>>) -> Vec<RecordBatch> {
+        keys.into_iter()
+            .map(|keys| {
+                RecordBatch::try_new(Arc::clone(schema), vec![Arc::new(Int64Array::from(keys))])
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    /// 600,000 build rows with 100,000 distinct keys (every third integer
+    /// of [-150,000, 150,000), NULLs among them), ten times the bound: an
+    /// integer column past a quarter of the bound whose range takes fewer
+    /// bytes as a bitmap goes over to one, and keeps every key exactly,
+    /// whatever order they come in (the first partition descending, so
+    /// the bitmap grows below its range, the second ascending), in the pool.
+    #[tokio::test]
+    async fn many_integer_keys_in_a_narrow_range_are_kept_as_a_bitmap_past_the_bound() {
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, true)]));
+        let keys: Vec<i64> = (-50_000..50_000).map(|key| key * 3).collect();
+        let rows = |keys: &[i64]| -> Vec<Vec<Option<i64>>> {
+            // Each key three times, in batches of 10,000 rows with a NULL.
+            let all: Vec<i64> = keys.iter().flat_map(|key| [*key; 3]).collect();
+            all.chunks(10_000)
+                .map(|chunk| {
+                    let mut batch: Vec<Option<i64>> = chunk.iter().copied().map(Some).collect();
+                    batch.push(None);
+                    batch
+                })
+                .collect()
+        };
+        let descending: Vec<i64> = keys.iter().rev().copied().collect();
+        let partitions = vec![
+            batches_of(&schema, rows(&descending)),
+            batches_of(&schema, rows(&keys)),
+        ];
+        let input =
+            MemorySourceConfig::try_new_exec(&partitions, Arc::clone(&schema), None).unwrap();
+        let pool: Arc<dyn MemoryPool> = Arc::new(
+            datafusion::execution::memory_pool::GreedyMemoryPool::new(64 << 20),
+        );
+        let context = context_with_pool(Arc::clone(&pool));
+        let collector = Arc::new(BuildKeys::new(2, 1, 10_000));
+        let tap = BuildKeysExec::new(
+            input,
+            vec![Arc::new(Column::new("k", 0))],
+            Arc::clone(&collector),
+        );
+        let mut rows = 0;
+        for partition in 0..2 {
+            let batches = collect(tap.execute(partition, Arc::clone(&context)).unwrap())
+                .await
+                .unwrap();
+            rows += batches.iter().map(RecordBatch::num_rows).sum::<usize>();
+        }
+        assert_eq!(rows, 2 * (300_000 + 30));
+        let CollectedKeys::Keys(columns) = collector.collected() else {
+            panic!("kept as a bitmap: {:?}", collector.collected());
+        };
+        let ColumnKeys::Bits(bits) = &columns[0] else {
+            panic!("100,000 keys over 300,000 values are a bitmap");
+        };
+        assert_eq!(bits.keys(), 100_000);
+        assert_eq!(bits.low_high(), Some((-150_000, 149_997)));
+        assert_eq!(sorted_i64(&bits.values().unwrap()), keys);
+        let (base, span, words) = bits.trimmed().unwrap();
+        assert!(base <= -150_000 && base > -150_000 - 64);
+        assert_eq!(base + span as i64 - 1, 149_997);
+        assert_eq!(words.len() as u64, span.div_ceil(64));
+        // A bitmap of the range, not 8 bytes per key.
+        let held = collector.bytes();
+        assert!(
+            held < 200_000,
+            "{held} bytes for a bitmap of 300,000 values"
+        );
+        assert_eq!(pool.reserved(), held);
+        drop(columns);
+        drop(tap);
+        drop(collector);
+        assert_eq!(pool.reserved(), 0);
+    }
+
+    /// Keys kept as a bitmap, then one far outside its range: the bitmap
+    /// would pass its bound, so collecting stops and says why.
+    #[tokio::test]
+    async fn a_key_far_outside_a_bitmaps_range_stops_collecting() {
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, true)]));
+        let first: Vec<Option<i64>> = (0..70_000).map(Some).collect();
+        let partitions = vec![batches_of(&schema, vec![first, vec![Some(1 << 45)]])];
+        let input =
+            MemorySourceConfig::try_new_exec(&partitions, Arc::clone(&schema), None).unwrap();
+        let collector = Arc::new(BuildKeys::new(1, 1, 100));
+        let tap = BuildKeysExec::new(
+            input,
+            vec![Arc::new(Column::new("k", 0))],
+            Arc::clone(&collector),
+        );
+        collect(tap.execute(0, Arc::new(TaskContext::default())).unwrap())
+            .await
+            .unwrap();
+        assert!(
+            matches!(collector.collected(), CollectedKeys::TooWide(70_001)),
+            "{:?}",
+            collector.collected()
+        );
+        assert_eq!(collector.bytes(), 0);
+    }
+
+    /// Dates and negative integers: the bitmap grows below and above its
+    /// range and gives its keys back in their own type.
+    #[test]
+    fn a_bitmap_of_dates_grows_both_ways_and_gives_dates_back() {
+        use arrow::array::Date32Array;
+        let dates = |days: &[i32]| -> ArrayRef { Arc::new(Date32Array::from(days.to_vec())) };
+        let mut bits = KeyBits::new(DataType::Date32, 0, 10);
+        assert!(bits.insert(&dates(&[5, 3, 5])));
+        assert!(bits.insert(&dates(&[-700, 9])));
+        assert!(bits.insert(&dates(&[20_000, -700])));
+        let with_null: ArrayRef = Arc::new(Date32Array::from(vec![None, Some(1)]));
+        assert!(bits.insert(&with_null));
+        assert_eq!(bits.keys(), 6);
+        assert_eq!(bits.low_high(), Some((-700, 20_000)));
+        let values = bits.values().unwrap();
+        assert_eq!(values.data_type(), &DataType::Date32);
+        let values: Vec<i32> = values
+            .as_primitive::<Date32Type>()
+            .iter()
+            .flatten()
+            .collect();
+        assert_eq!(values, vec![-700, 1, 3, 5, 9, 20_000]);
+        // Strings are not integers: nothing is set.
+        let strings: ArrayRef = Arc::new(StringArray::from(vec!["a"]));
+        assert!(!bits.insert(&strings));
+        // Past the bound of a bitmap.
+        assert!(!bits.insert(&dates(&[i32::MIN, i32::MAX])));
+        assert_eq!(bits.keys(), 6);
     }
 }

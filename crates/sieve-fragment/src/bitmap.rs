@@ -147,6 +147,32 @@ impl KeyBitmapExpr {
             .chunks_exact(8)
             .map(|chunk| u64::from_le_bytes(chunk.try_into().expect("chunks of 8")))
             .collect();
+        Self::from_words(input, data_type, base, bits, words, keys)
+    }
+
+    /// A bitmap from its words: bit `i` of word `w` stands for the value
+    /// `base + 64 * w + i`, `bits` values in all (a build side's keys
+    /// collected as a bitmap, or one received on the wire).
+    pub fn from_words(
+        input: Arc<dyn PhysicalExpr>,
+        data_type: DataType,
+        base: i64,
+        bits: u64,
+        words: Vec<u64>,
+        keys: u64,
+    ) -> Result<Self> {
+        if !Self::supports(&data_type) {
+            return plan_err!("a key bitmap cannot hold keys of type {data_type}");
+        }
+        if bits == 0
+            || words.len().saturating_mul(8) > KEY_BITMAP_BYTES_MAX
+            || words.len() as u64 != bits.div_ceil(64)
+        {
+            return plan_err!(
+                "key bitmap of {bits} bits does not match its {} words (at most {KEY_BITMAP_BYTES_MAX} bytes)",
+                words.len()
+            );
+        }
         Ok(Self {
             input,
             data_type,

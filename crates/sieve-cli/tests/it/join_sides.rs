@@ -22,7 +22,7 @@ use crate::plans::{find_scans, metric, physical_plan};
 
 /// Partitioned hash joins at any size (SF 0.01 is below DataFusion's
 /// thresholds for collecting a build side into one partition).
-async fn partitioned_joins(session: &SieveSession) {
+pub(crate) async fn partitioned_joins(session: &SieveSession) {
     for sql in [
         "SET datafusion.optimizer.hash_join_single_partition_threshold = 0",
         "SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
@@ -47,7 +47,7 @@ fn scan_line<'a>(plan: &'a str, table: &str) -> &'a str {
 
 /// Run `sql` on Sieve and on `reference`; the rows must agree. Returns the
 /// rows the scans of `table` yielded.
-async fn check(
+pub(crate) async fn check(
     session: &SieveSession,
     reference: &SessionContext,
     sql: &str,

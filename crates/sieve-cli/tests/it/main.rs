@@ -32,6 +32,7 @@ mod hostile_requests;
 mod integrity;
 mod join_filter_registry;
 mod join_sides;
+mod key_bitmaps;
 mod memory_bound;
 mod null_joins;
 mod owned_random;

@@ -56,7 +56,7 @@ use datafusion::physical_expr::{conjunction as physical_conjunction, PhysicalExp
 use datafusion::physical_expr_common::physical_expr::snapshot_physical_expr;
 use sieve_fragment::{BloomFilterExpr, KeyBitmapExpr, KEY_BITMAP_BYTES_MAX};
 
-use crate::build_keys::{BuildKeys, CollectedKeys};
+use crate::build_keys::{BuildKeys, CollectedKeys, ColumnKeys, KeyBits};
 use datafusion::functions_aggregate::min_max::{MaxAccumulator, MinAccumulator};
 use datafusion::logical_expr::Accumulator;
 use implied::{implied, ColumnFact, Implied, JoinKeys, Members, Values};
@@ -183,7 +183,7 @@ pub(crate) async fn resolve(
         // The collected build keys stand in for the join's membership test
         // only where the slot is that one join's filter, complete: then every
         // probe-key membership test in it is over a subset of those keys.
-        let mut build_keys: Option<Vec<Vec<ArrayRef>>> = None;
+        let mut build_keys: Option<Vec<ColumnKeys>> = None;
         let mut collected_note = None;
         let own_filter = dynamic.len() == 1
             && slot
@@ -210,6 +210,11 @@ pub(crate) async fn resolve(
                 CollectedKeys::MemoryRefused(rows) => {
                     collected_note = Some(format!(
                         "{rows} build rows, keys refused by the memory pool: no membership test"
+                    ));
+                }
+                CollectedKeys::TooWide(rows) => {
+                    collected_note = Some(format!(
+                        "{rows} build rows, keys too many for values and too wide for a bitmap: no membership test"
                     ));
                 }
                 CollectedKeys::Incomplete => {}
@@ -249,7 +254,17 @@ pub(crate) async fn resolve(
 
 /// The range of collected key values, NULLs left out (DataFusion's own MIN
 /// and MAX); `None` where there is no non-NULL value.
-fn key_range(arrays: &[ArrayRef]) -> Result<(Option<ScalarValue>, Option<ScalarValue>)> {
+fn key_range(keys: &ColumnKeys) -> Result<(Option<ScalarValue>, Option<ScalarValue>)> {
+    let arrays = match keys {
+        ColumnKeys::Values(arrays) => arrays,
+        ColumnKeys::Bits(bits) => {
+            let Some((low, high)) = bits.low_high() else {
+                return Ok((None, None));
+            };
+            let scalar = |value: i64| ScalarValue::Int64(Some(value)).cast_to(bits.data_type());
+            return Ok((Some(scalar(low)?), Some(scalar(high)?)));
+        }
+    };
     let Some(first) = arrays.first() else {
         return Ok((None, None));
     };
@@ -295,6 +310,14 @@ async fn resolve_key_slot(
                 format!("none ({rows} build rows, keys refused by the memory pool)"),
             ))
         }
+        CollectedKeys::TooWide(rows) => {
+            return Ok((
+                vec![],
+                format!(
+                    "none ({rows} build rows, keys too many for values and too wide for a bitmap)"
+                ),
+            ))
+        }
         CollectedKeys::Incomplete => return Ok((vec![], "none (build side incomplete)".into())),
     };
     let Some(arrays) = columns.get(slot.position) else {
@@ -337,7 +360,7 @@ async fn resolve_key_slot(
 /// collected build keys, per key column.
 fn build(
     implied: &Implied,
-    build_keys: Option<&[Vec<ArrayRef>]>,
+    build_keys: Option<&[ColumnKeys]>,
     settings: &JoinFilterSettings,
     probe: ProbeColumns<'_>,
 ) -> Result<(Vec<Arc<dyn PhysicalExpr>>, String)> {
@@ -402,14 +425,30 @@ fn build(
             (None, Some(high)) => column_parts.push(format!("range [..., {high}]")),
             (None, None) => {}
         }
+        let bounds = low.as_ref().zip(high.as_ref());
+        let bound = distinct_bounds.get(index).copied().flatten();
         let members = match members {
             Some(Members::Listed(values)) => Some(Arc::clone(values)),
             Some(Members::BuildKeys(position)) => {
                 match build_keys.and_then(|keys| keys.get(*position)) {
-                    Some(arrays) if !arrays.is_empty() => {
+                    Some(ColumnKeys::Values(arrays)) if !arrays.is_empty() => {
                         let arrays: Vec<&dyn Array> =
                             arrays.iter().map(|array| array.as_ref()).collect();
                         Some(concat(&arrays)?)
+                    }
+                    Some(ColumnKeys::Bits(bits)) => {
+                        if let Some(test) = bits_membership(
+                            &key,
+                            bits,
+                            bounds,
+                            bound,
+                            settings,
+                            table_schema,
+                            &mut column_parts,
+                        )? {
+                            column_conjuncts.push(test);
+                        }
+                        None
                     }
                     _ => None,
                 }
@@ -417,8 +456,6 @@ fn build(
             None => None,
         };
         if let Some(members) = members {
-            let bounds = low.as_ref().zip(high.as_ref());
-            let bound = distinct_bounds.get(index).copied().flatten();
             if let Some(test) = membership(
                 &key,
                 &members,
@@ -536,6 +573,69 @@ fn membership(
         bloom.bitset().len()
     ));
     Ok(Some(Arc::new(bloom)))
+}
+
+/// The membership test for keys collected as a bitmap
+/// ([`crate::build_keys`]): the bitmap itself, where one fits as in
+/// [`membership`]; else its keys as values, if few enough for a Bloom
+/// filter; else none.
+fn bits_membership(
+    key: &Arc<dyn PhysicalExpr>,
+    bits: &KeyBits,
+    bounds: Option<(&ScalarValue, &ScalarValue)>,
+    distinct_bound: Option<u64>,
+    settings: &JoinFilterSettings,
+    table_schema: &Schema,
+    parts: &mut Vec<String>,
+) -> Result<Option<Arc<dyn PhysicalExpr>>> {
+    let keys = bits.keys();
+    let data_type = key.data_type(table_schema)?;
+    let Some((base, span, words)) = bits.trimmed() else {
+        return Ok(None);
+    };
+    let bytes = words.len() * 8;
+    let bloom_bytes = BloomFilterExpr::bytes_for(keys, settings.bloom_fpp);
+    let bitmap_fits = KeyBitmapExpr::supports(&data_type)
+        && settings.bitmap_bytes > 0
+        && (bytes <= settings.bitmap_bytes
+            || compressed_bitmap_bytes(bytes, keys as usize) <= 2 * bloom_bytes);
+    if bounds.is_some_and(|(low, high)| integer_span(low, high) == Some(keys)) {
+        parts.push(format!("dense ({keys} keys = the range)"));
+        return Ok(None);
+    }
+    if let Some(bound) =
+        distinct_bound.filter(|&bound| keys as f64 >= UNSELECTIVE_KEYS_RATIO * bound as f64)
+    {
+        parts.push(format!(
+            "unselective ({keys} keys of at most {bound} values): no membership test"
+        ));
+        return Ok(None);
+    }
+    if !bitmap_fits {
+        if keys as usize > settings.keys_max {
+            parts.push(format!(
+                "{keys} keys, above sieve.join_filter_keys_max and no bitmap fits: no membership test"
+            ));
+            return Ok(None);
+        }
+        // The same choices as for keys kept as values.
+        return membership(
+            key,
+            &bits.values()?,
+            bounds,
+            distinct_bound,
+            settings,
+            table_schema,
+            parts,
+        );
+    }
+    let bitmap = KeyBitmapExpr::from_words(Arc::clone(key), data_type, base, span, words, keys)?;
+    parts.push(format!(
+        "bitmap ({keys} keys over {} values, {} bytes, collected as a bitmap)",
+        bitmap.bits(),
+        bitmap.byte_len()
+    ));
+    Ok(Some(Arc::new(bitmap)))
 }
 
 /// Number of integers in `[low, high]`, for integer scalars.
