@@ -70,7 +70,9 @@ extensions_options! {
         /// Build-side keys up to this many go as a key bitmap or a Bloom
         /// filter (beyond, the key range only); the compute node keeps up to
         /// this many distinct keys per key column, in the memory pool, to
-        /// find them. A join filter is
+        /// find them, except integer keys past a quarter of it whose range
+        /// is smaller as a bitmap: those are kept as a key bitmap of any
+        /// number of keys (up to 128 MiB). A join filter is
         /// registered once on each storage node of the probe scan, not sent
         /// with every slice request.
         pub join_filter_keys_max: usize, default = 16 * 1024 * 1024
