@@ -507,13 +507,36 @@ mod tests {
                 .find(|plan| plan.column == name)
                 .unwrap()
         };
+        assert!(column("o_orderkey").bloom_filter);
+        // Where bytes dominate the cost (a disk of 1 MB/s), the choice is
+        // the smallest. At the default rate it also weighs the decode time
+        // measured in this run, which a loaded machine skews, so the byte
+        // claims are checked here.
+        let slow_disk = PlannerSettings {
+            read_bytes_per_second: 1.0e6,
+            ..PlannerSettings::default()
+        };
+        let by_bytes = plan_layout(&batch, &["o_orderkey".to_string()], &slow_disk)
+            .unwrap()
+            .expect("20,000 rows are planned");
+        let smallest = |name: &str| {
+            by_bytes
+                .columns
+                .iter()
+                .find(|plan| plan.column == name)
+                .unwrap()
+        };
         // Distinct keys in steps of 4: no dictionary can hold them in fewer
         // bytes than their deltas.
-        assert_ne!(column("o_orderkey").encoding, ColumnEncoding::Dictionary);
-        assert!(column("o_orderkey").bloom_filter);
-        // Three values: nothing beats a dictionary's indexes for bytes, and the
-        // plan is never more than the tie away from the cheapest.
-        assert!(column("o_status").bytes_per_row < 1.0);
+        assert_ne!(smallest("o_orderkey").encoding, ColumnEncoding::Dictionary);
+        // Three values: nothing beats a dictionary's indexes for bytes.
+        assert!(
+            smallest("o_status").bytes_per_row < 1.0,
+            "{:?}",
+            smallest("o_status")
+        );
+        // At any rate, the plan is never more than the tie away from the
+        // cheapest.
         for plan in &plan.columns {
             assert!(plan.bytes_per_row > 0.0 && plan.fixed_bytes_per_row > 0.0);
             assert!(plan.decode_ns_per_row > 0.0 && plan.fixed_decode_ns_per_row > 0.0);
