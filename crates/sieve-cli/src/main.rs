@@ -204,6 +204,11 @@ enum Command {
         /// Longest wait for a pushdown worker before a slice is served raw, ms.
         #[arg(long, default_value_t = sieve_storage::DEFAULT_PUSHDOWN_WAIT_MS)]
         pushdown_wait_ms: u64,
+        /// Most memory the node keeps its slices' metadata in (footers,
+        /// page indexes, page checksums), MiB; a slice whose metadata was
+        /// evicted reads it again from its file when asked for.
+        #[arg(long, default_value_t = (sieve_storage::SLICE_DETAILS_CACHE_BYTES_DEFAULT >> 20) as u64)]
+        metadata_cache_mb: u64,
         /// File holding the shared secret every request must carry
         /// (`Authorization: Bearer <secret>`). Without it, the secret is
         /// read from the environment variable SIEVE_SECRET.
@@ -685,6 +690,7 @@ async fn run(cli: Cli) -> Result<()> {
             pushdown_workers,
             pushdown_queue,
             pushdown_wait_ms,
+            metadata_cache_mb,
             secret_file,
             insecure_no_auth,
         } => {
@@ -717,6 +723,14 @@ async fn run(cli: Cli) -> Result<()> {
                         .unwrap_or(ExecuteOptions::default().pushdown_workers),
                     pushdown_queue_max: pushdown_queue,
                     pushdown_wait: std::time::Duration::from_millis(pushdown_wait_ms),
+                    slice_details_cache_bytes: usize::try_from(metadata_cache_mb)
+                        .ok()
+                        .and_then(|mb| mb.checked_mul(1 << 20))
+                        .ok_or_else(|| {
+                            datafusion::error::DataFusionError::Plan(format!(
+                                "--metadata-cache-mb {metadata_cache_mb} is too large"
+                            ))
+                        })?,
                     ..ExecuteOptions::default()
                 },
                 auth,

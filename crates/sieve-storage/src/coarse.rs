@@ -28,7 +28,7 @@ use parquet::bloom_filter::Sbbf;
 use parquet::file::metadata::ParquetMetaData;
 use sieve_fragment::pruning_predicate;
 
-use crate::CatalogSlice;
+use crate::{CatalogSlice, SliceDetails};
 
 /// The outcome of the coarse stage for one slice.
 #[derive(Debug, Clone)]
@@ -64,12 +64,13 @@ impl MatchHints {
     /// checked). Blocking: reads Bloom filters from disk.
     pub fn compute(
         slice: &CatalogSlice,
+        details: &SliceDetails,
         schema: &SchemaRef,
         columns: &[usize],
         predicate: Option<&Arc<dyn PhysicalExpr>>,
         wanted: Option<&[usize]>,
     ) -> Result<Self> {
-        let metadata = &slice.metadata;
+        let metadata = &details.metadata;
         let row_groups = metadata.row_groups();
         let is_wanted = |group: usize| wanted.is_none_or(|wanted| wanted.contains(&group));
         let pages_per_group: Vec<u64> = (0..row_groups.len())
@@ -116,8 +117,14 @@ impl MatchHints {
                 let after_statistics = filter.build();
                 hints.pages_skipped_statistics = skipped_pages(&after_statistics, &pages_per_group);
 
-                let (after_bloom, bloom_bytes) =
-                    prune_by_bloom_filters(slice, schema, &pruning, after_statistics, &metrics)?;
+                let (after_bloom, bloom_bytes) = prune_by_bloom_filters(
+                    slice,
+                    metadata,
+                    schema,
+                    &pruning,
+                    after_statistics,
+                    &metrics,
+                )?;
                 hints.bloom_filter_bytes_read = bloom_bytes;
                 hints.pages_skipped_bloom_filter =
                     skipped_pages(&after_bloom, &pages_per_group) - hints.pages_skipped_statistics;
@@ -226,6 +233,7 @@ fn pages_read(plan: &ParquetAccessPlan, metadata: &ParquetMetaData, columns: &[u
 /// Bloom filters read.
 fn prune_by_bloom_filters(
     slice: &CatalogSlice,
+    metadata: &ParquetMetaData,
     schema: &SchemaRef,
     pruning: &PruningPredicate,
     plan: ParquetAccessPlan,
@@ -236,7 +244,6 @@ fn prune_by_bloom_filters(
         .into_iter()
         .filter_map(|name| schema.index_of(&name).ok().map(|index| (name, index)))
         .collect();
-    let metadata = &slice.metadata;
     let has_filters = literal_columns.iter().any(|(_, index)| {
         metadata
             .row_groups()

@@ -53,6 +53,10 @@ pub struct ExecuteOptions {
     /// charged its key and an estimate of its decoded size); the cache is
     /// emptied when full. A TPC-H fragment is a few kilobytes.
     pub fragment_cache_bytes_max: usize,
+    /// Upper bound on the slices' metadata the node keeps in memory (the
+    /// footers and page indexes its requests read; see
+    /// [`crate::catalog::SliceDetailsCache`]), in bytes.
+    pub slice_details_cache_bytes: usize,
     /// Codec of the shipped Arrow IPC buffers when the request leaves it to
     /// the node: zstd ships least (below the stored Parquet), LZ4 costs less
     /// CPU, none least CPU of all; auto is LZ4 for a peer on this host and
@@ -81,6 +85,7 @@ impl Default for ExecuteOptions {
             pushdown_filters: false,
             batch_rows: 8192,
             fragment_cache_bytes_max: 32 * 1024 * 1024,
+            slice_details_cache_bytes: crate::catalog::SLICE_DETAILS_CACHE_BYTES_DEFAULT,
             ipc_compression: IpcCodec::Auto,
             pushdown_workers: cores,
             pushdown_queue_max: None,
@@ -315,11 +320,13 @@ impl SliceExecutor {
 
         let needed = needed_columns(&body);
 
-        let row_group_count = slice.metadata.num_row_groups();
+        let row_group_count = slice.summary.row_groups as usize;
         let wanted = wanted_row_groups(&envelope, row_group_count)?;
+        let details = slice.details_async().await?;
         let hints = {
-            let (slice, schema, needed, predicate) = (
+            let (slice, details, schema, needed, predicate) = (
                 Arc::clone(&slice),
+                Arc::clone(&details),
                 Arc::clone(&schema),
                 needed.clone(),
                 body.predicate.clone(),
@@ -328,6 +335,7 @@ impl SliceExecutor {
             tokio::task::spawn_blocking(move || {
                 MatchHints::compute(
                     &slice,
+                    &details,
                     &schema,
                     &needed,
                     predicate.as_ref(),
@@ -348,6 +356,7 @@ impl SliceExecutor {
                 reader_factory: Arc::new(SliceReaderFactory {
                     store: Arc::clone(&self.store),
                     slice: Arc::clone(&slice),
+                    details: Arc::clone(&details),
                     faults: Arc::clone(&self.faults),
                 }),
                 store_url: ObjectStoreUrl::local_filesystem(),
@@ -375,7 +384,7 @@ impl SliceExecutor {
             None => body
                 .projection
                 .iter()
-                .map(|&column| int64_fits_in_32_bits(&slice.metadata, column))
+                .map(|&column| int64_fits_in_32_bits(&details.metadata, column))
                 // Row positions travel as they are.
                 .chain(envelope.row_positions.then_some(false))
                 .collect(),

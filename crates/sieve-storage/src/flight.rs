@@ -344,8 +344,15 @@ impl FlightService for StorageFlightService {
             serving.admitted();
             match admission {
                 Admission::Raw(reason) => {
+                    let details = match slice.details_async().await {
+                        Ok(details) => details,
+                        Err(error) => {
+                            let _ = sender.send(Err(to_status(error))).await;
+                            return;
+                        }
+                    };
                     let plan = match guarded("planning a raw slice", || {
-                        plan_raw(&slice, &envelope, &body, reason).map_err(to_status)
+                        plan_raw(&slice, details, &envelope, &body, reason).map_err(to_status)
                     }) {
                         Ok(plan) => plan,
                         Err(status) => {
@@ -449,7 +456,7 @@ impl FlightService for StorageFlightService {
                         if slice.corruption.get().is_some() {
                             corrupt.push(slice.summary.file.clone());
                         }
-                        if slice.checksums.is_none() {
+                        if !slice.checked {
                             unchecked += 1;
                         }
                     }
@@ -457,6 +464,10 @@ impl FlightService for StorageFlightService {
                 stats["corrupt_slices"] = corrupt.into();
                 stats["unchecked_slices"] = unchecked.into();
                 stats["unreadable_slices"] = self.executor.catalog().unreadable().to_vec().into();
+                let details = self.executor.catalog().details_cache();
+                stats["slice_details_bytes"] = details.bytes().into();
+                stats["slice_details_bytes_max"] = details.bytes_max().into();
+                stats["slice_details_loads"] = details.loads().into();
                 for registry in [
                     self.executor.join_filters().to_json(),
                     self.executor.bodies().to_json(),

@@ -38,7 +38,10 @@ mod range;
 mod raw;
 mod reader;
 
-pub use catalog::{CatalogSlice, CatalogTable, CatalogTables, NodeCatalog};
+pub use catalog::{
+    CatalogSlice, CatalogTable, CatalogTables, NodeCatalog, SliceDetails, SliceDetailsCache,
+    SLICE_DETAILS_CACHE_BYTES_DEFAULT,
+};
 pub use coarse::MatchHints;
 pub use execute::{
     Admitted, ExecuteOptions, NodeCounters, SliceExecutor, DEFAULT_PUSHDOWN_WAIT_MS,

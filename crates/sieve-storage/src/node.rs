@@ -65,7 +65,10 @@ impl StorageNode {
         if stale > 0 {
             log::info!("removed {stale} temporary file(s) of interrupted slice puts");
         }
-        let catalog = Arc::new(NodeCatalog::open(&config.data_directory)?);
+        let catalog = Arc::new(NodeCatalog::open(
+            &config.data_directory,
+            config.execute.slice_details_cache_bytes,
+        )?);
         let faults = Arc::new(Faults::new());
         let executor = Arc::new(
             SliceExecutor::new(catalog, config.execute.clone()).with_faults(Arc::clone(&faults)),

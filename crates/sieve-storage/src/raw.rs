@@ -33,7 +33,7 @@ use tonic::Status;
 
 use crate::execute::wanted_row_groups;
 use crate::flight::corrupt_status;
-use crate::{CatalogSlice, SliceExecutor};
+use crate::{CatalogSlice, SliceDetails, SliceExecutor};
 
 /// The reason a raw slice gives when the compute node asked for one.
 pub(crate) const RAW_ASKED: &str = "asked for pages as stored (nothing to push)";
@@ -46,6 +46,7 @@ pub const RAW_CHUNK_BYTES: u64 = 1024 * 1024;
 #[derive(Debug)]
 pub(crate) struct RawPlan {
     head: RawSlice,
+    details: Arc<SliceDetails>,
     rows: u64,
     pages: u64,
 }
@@ -53,11 +54,12 @@ pub(crate) struct RawPlan {
 /// Plan the raw answer to `envelope` for `slice`.
 pub(crate) fn plan_raw(
     slice: &CatalogSlice,
+    details: Arc<SliceDetails>,
     envelope: &FragmentEnvelope,
     body: &DecodedBody,
     reason: String,
 ) -> Result<RawPlan> {
-    let metadata = &slice.metadata;
+    let metadata = &details.metadata;
     let mut row_groups = wanted_row_groups(envelope, metadata.num_row_groups())?;
     if row_groups.is_empty() {
         row_groups = (0..metadata.num_row_groups()).collect();
@@ -95,11 +97,12 @@ pub(crate) fn plan_raw(
     Ok(RawPlan {
         head: RawSlice {
             file_bytes: slice.summary.bytes,
-            footer: slice.footer.to_vec(),
+            footer: details.footer.to_vec(),
             ranges,
             row_groups: row_groups.iter().map(|&group| group as u32).collect(),
             reason,
         },
+        details,
         rows,
         pages,
     })
@@ -131,9 +134,11 @@ pub(crate) fn raw_stream(
         .map(|range| (range.offset, range.length))
         .collect();
     let head = FlightData::new().with_app_metadata(message(SliceMessageKind::Raw(plan.head)));
+    let details = plan.details;
     let chunks = futures::stream::iter(ranges)
         .map(move |(offset, length)| {
             let slice = Arc::clone(&slice);
+            let details = Arc::clone(&details);
             async move {
                 let read = Arc::clone(&slice);
                 let bytes = tokio::task::spawn_blocking(move || {
@@ -146,7 +151,7 @@ pub(crate) fn raw_stream(
                 .map_err(|error| Status::internal(format!("raw read task failed: {error}")))?
                 .map_err(|error| Status::internal(format!("reading a raw slice: {error}")))?;
                 slice
-                    .check_pages(offset, &bytes)
+                    .check_pages(&details, offset, &bytes)
                     .map_err(|corruption| corrupt_status(&corruption))?;
                 let bytes = bytes::Bytes::from(bytes);
                 let mut pieces = Vec::new();

@@ -1,5 +1,6 @@
-//! A Parquet reader that answers metadata requests from the catalog's
-//! in-memory copy, so a request never re-reads a footer or page index, and
+//! A Parquet reader that answers metadata requests from the slice details
+//! the request took (see `CatalogSlice::details`), so a request reads a
+//! footer and page index at most once, and
 //! verifies every page it reads against the slice's page checksums: a read
 //! is widened to whole pages, and a page that fails marks the slice's copy
 //! on this node corrupt (see `CatalogSlice::check_pages`).
@@ -21,13 +22,14 @@ use parquet::errors::ParquetError;
 use parquet::file::metadata::ParquetMetaData;
 
 use crate::faults::Faults;
-use crate::CatalogSlice;
+use crate::{CatalogSlice, SliceDetails};
 
 /// Creates readers for one slice, sharing its cached metadata.
 #[derive(Debug)]
 pub(crate) struct SliceReaderFactory {
     pub(crate) store: Arc<dyn ObjectStore>,
     pub(crate) slice: Arc<CatalogSlice>,
+    pub(crate) details: Arc<SliceDetails>,
     pub(crate) faults: Arc<Faults>,
 }
 
@@ -48,8 +50,8 @@ impl ParquetFileReaderFactory for SliceReaderFactory {
             file_metrics,
             store: Arc::clone(&self.store),
             location: partitioned_file.object_meta.location,
-            metadata: Arc::clone(&self.slice.metadata),
             slice: Arc::clone(&self.slice),
+            details: Arc::clone(&self.details),
             faults: Arc::clone(&self.faults),
         }))
     }
@@ -59,8 +61,8 @@ struct SliceReader {
     file_metrics: ParquetFileMetrics,
     store: Arc<dyn ObjectStore>,
     location: object_store::path::Path,
-    metadata: Arc<ParquetMetaData>,
     slice: Arc<CatalogSlice>,
+    details: Arc<SliceDetails>,
     faults: Arc<Faults>,
 }
 
@@ -71,7 +73,7 @@ impl SliceReader {
         self.faults.pace_read().await;
         let widened: Vec<Range<u64>> = ranges
             .iter()
-            .map(|range| self.slice.widen(range.clone()))
+            .map(|range| self.details.widen(range.clone()))
             .collect();
         let read = self
             .store
@@ -90,7 +92,7 @@ impl SliceReader {
                 )));
             }
             self.slice
-                .check_pages(wide.start, &bytes)
+                .check_pages(&self.details, wide.start, &bytes)
                 .map_err(|corruption| ParquetError::External(Box::new(corruption)))?;
             let start = (range.start - wide.start) as usize;
             let end = (range.end - wide.start) as usize;
@@ -127,7 +129,7 @@ impl AsyncFileReader for SliceReader {
         &'a mut self,
         _options: Option<&'a ArrowReaderOptions>,
     ) -> BoxFuture<'a, parquet::errors::Result<Arc<ParquetMetaData>>> {
-        let metadata = Arc::clone(&self.metadata);
+        let metadata = Arc::clone(&self.details.metadata);
         async move { Ok(metadata) }.boxed()
     }
 }

@@ -43,5 +43,6 @@ mod serve_concurrency;
 mod serve_flight_sql;
 mod serve_pg;
 mod serve_python;
+mod slice_details;
 mod ssb;
 mod streams;
