@@ -37,6 +37,13 @@ use crate::unary::evaluate_unary;
 /// filter registration, bounded by [`crate::JOIN_FILTER_BYTES_MAX`].
 pub const KEY_BITMAP_BYTES_MAX: usize = 128 * 1024 * 1024;
 
+/// Words per chunk of a bitmap cut to the key ranges a storage node holds
+/// ([`KeyBitmapExpr::from_parts_cut`]): 1,024 words, 65,536 values, 8 KiB.
+pub const KEY_BITMAP_CHUNK_WORDS: usize = 1024;
+
+/// A chunk left out of a cut bitmap.
+const CHUNK_LEFT_OUT: u32 = u32::MAX;
+
 /// `input` is one of the keys the bitmap was built from.
 #[derive(Clone)]
 pub struct KeyBitmapExpr {
@@ -47,6 +54,14 @@ pub struct KeyBitmapExpr {
     /// Values covered: `[base, base + bits)`.
     bits: u64,
     words: Arc<Vec<u64>>,
+    /// `None`: `words` are all the bitmap's words. `Some`: the bitmap was
+    /// cut to the key ranges of a storage node's slices, and `words` hold
+    /// only the chunks of [`KEY_BITMAP_CHUNK_WORDS`] that overlap them:
+    /// entry `c` is where chunk `c` starts in `words`, in chunks, or
+    /// [`CHUNK_LEFT_OUT`]. The values of a chunk left out all pass, as if
+    /// its words were all ones: a slice holding such values (one written
+    /// after the cut) is filtered less, never wrongly.
+    chunks: Option<Arc<Vec<u32>>>,
     keys: u64,
 }
 
@@ -117,6 +132,7 @@ impl KeyBitmapExpr {
             base,
             bits,
             words: Arc::new(bitmap),
+            chunks: None,
             keys: count,
         })
     }
@@ -179,8 +195,95 @@ impl KeyBitmapExpr {
             base,
             bits,
             words: Arc::new(words),
+            chunks: None,
             keys,
         })
+    }
+
+    /// Rebuild a bitmap received on the wire, as [`Self::from_parts`] does,
+    /// keeping only its chunks of [`KEY_BITMAP_CHUNK_WORDS`] words that
+    /// overlap `ranges` (inclusive `(low, high)` value ranges: the keys a
+    /// storage node's slices hold, by their statistics). Values in the
+    /// chunks left out all pass. A node holding a third of a table's
+    /// slices, interleaved, keeps about a third of the bitmap.
+    pub fn from_parts_cut(
+        input: Arc<dyn PhysicalExpr>,
+        data_type: DataType,
+        base: i64,
+        bits: u64,
+        bytes: &[u8],
+        keys: u64,
+        ranges: &[(i64, i64)],
+    ) -> Result<Self> {
+        if !Self::supports(&data_type) {
+            return plan_err!("a key bitmap cannot hold keys of type {data_type}");
+        }
+        if bits == 0
+            || bytes.len() > KEY_BITMAP_BYTES_MAX
+            || bytes.len() as u64 != bits.div_ceil(64) * 8
+        {
+            return plan_err!(
+                "key bitmap of {bits} bits does not match its {} bytes (at most {KEY_BITMAP_BYTES_MAX})",
+                bytes.len()
+            );
+        }
+        let mut ranges: Vec<(i128, i128)> = ranges
+            .iter()
+            .filter(|(low, high)| low <= high)
+            .map(|&(low, high)| (i128::from(low), i128::from(high)))
+            .collect();
+        ranges.sort_unstable();
+        let word_count = bytes.len() / 8;
+        let chunk_count = word_count.div_ceil(KEY_BITMAP_CHUNK_WORDS);
+        let chunk_values = (KEY_BITMAP_CHUNK_WORDS * 64) as i128;
+        let mut chunks = Vec::with_capacity(chunk_count);
+        let mut words = Vec::new();
+        let mut next_range = 0;
+        for chunk in 0..chunk_count {
+            let low = i128::from(base) + chunk as i128 * chunk_values;
+            let high = low + chunk_values - 1;
+            // Ranges ending before this chunk end before every later one.
+            while next_range < ranges.len() && ranges[next_range].1 < low {
+                next_range += 1;
+            }
+            let overlaps = ranges[next_range..]
+                .iter()
+                .take_while(|(range_low, _)| *range_low <= high)
+                .any(|(_, range_high)| *range_high >= low);
+            if !overlaps {
+                chunks.push(CHUNK_LEFT_OUT);
+                continue;
+            }
+            chunks.push((words.len() / KEY_BITMAP_CHUNK_WORDS) as u32);
+            let first = chunk * KEY_BITMAP_CHUNK_WORDS;
+            let last = (first + KEY_BITMAP_CHUNK_WORDS).min(word_count);
+            words.extend(
+                bytes[first * 8..last * 8]
+                    .chunks_exact(8)
+                    .map(|word| u64::from_le_bytes(word.try_into().expect("chunks of 8"))),
+            );
+            // Every chunk kept is whole: the last one is padded (its
+            // values past `bits` are never looked up).
+            words.resize(words.len().next_multiple_of(KEY_BITMAP_CHUNK_WORDS), 0);
+        }
+        let cut = chunks.contains(&CHUNK_LEFT_OUT);
+        if !cut {
+            words.truncate(word_count);
+        }
+        Ok(Self {
+            input,
+            data_type,
+            base,
+            bits,
+            words: Arc::new(words),
+            chunks: cut.then(|| Arc::new(chunks)),
+            keys,
+        })
+    }
+
+    /// Whether this bitmap was cut to a node's key ranges (some chunks left out).
+    pub fn is_cut(&self) -> bool {
+        self.chunks.is_some()
     }
 
     /// The expression whose value is looked up (a column, in practice).
@@ -198,17 +301,35 @@ impl KeyBitmapExpr {
         self.bits
     }
 
-    /// The bitmap's words as little-endian bytes, for the wire.
+    /// The bitmap's words as little-endian bytes, for the wire (a cut
+    /// bitmap's chunks left out as all ones: their values pass).
     pub fn to_bytes(&self) -> Vec<u8> {
-        self.words
-            .iter()
-            .flat_map(|word| word.to_le_bytes())
-            .collect()
+        let Some(chunks) = &self.chunks else {
+            return self
+                .words
+                .iter()
+                .flat_map(|word| word.to_le_bytes())
+                .collect();
+        };
+        let word_count = words_for(self.bits);
+        let mut bytes = Vec::with_capacity(word_count * 8);
+        for (chunk, &at) in chunks.iter().enumerate() {
+            let first = chunk * KEY_BITMAP_CHUNK_WORDS;
+            let count = KEY_BITMAP_CHUNK_WORDS.min(word_count - first);
+            for word in 0..count {
+                let word = match at {
+                    CHUNK_LEFT_OUT => u64::MAX,
+                    at => self.words[at as usize * KEY_BITMAP_CHUNK_WORDS + word],
+                };
+                bytes.extend_from_slice(&word.to_le_bytes());
+            }
+        }
+        bytes
     }
 
-    /// Bytes of the bitmap.
+    /// Bytes of the bitmap, as held.
     pub fn byte_len(&self) -> usize {
-        self.words.len() * 8
+        self.words.len() * 8 + self.chunks.as_ref().map_or(0, |chunks| chunks.len() * 4)
     }
 
     /// Number of distinct keys set.
@@ -223,19 +344,47 @@ impl KeyBitmapExpr {
             cast(values, &self.data_type)?
         };
         let (base, bits, words) = (self.base, self.bits, self.words.as_slice());
-        let contains = |value: i64| {
-            let offset = value.wrapping_sub(base) as u64;
-            offset < bits && words[(offset >> 6) as usize] >> (offset & 63) & 1 == 1
+        let matched = match &self.chunks {
+            None => {
+                let contains = |value: i64| {
+                    let offset = value.wrapping_sub(base) as u64;
+                    offset < bits && words[(offset >> 6) as usize] >> (offset & 63) & 1 == 1
+                };
+                collect_matches(&values, contains)?
+            }
+            Some(chunks) => {
+                let contains = |value: i64| {
+                    let offset = value.wrapping_sub(base) as u64;
+                    if offset >= bits {
+                        return false;
+                    }
+                    let word = (offset >> 6) as usize;
+                    match chunks[word / KEY_BITMAP_CHUNK_WORDS] {
+                        CHUNK_LEFT_OUT => true,
+                        at => {
+                            let word = at as usize * KEY_BITMAP_CHUNK_WORDS
+                                + word % KEY_BITMAP_CHUNK_WORDS;
+                            words[word] >> (offset & 63) & 1 == 1
+                        }
+                    }
+                };
+                collect_matches(&values, contains)?
+            }
         };
-        // Every supported type widens to i64 exactly (`supports`).
-        #[allow(clippy::unnecessary_cast)]
-        let matched = with_integer_keys!(values, keys => {
-            BooleanBuffer::collect_bool(keys.len(), |index| contains(keys[index] as i64))
-        }, else {
-            return internal_err!("key bitmap probed with values of type {}", values.data_type());
-        });
         Ok(BooleanArray::new(matched, values.logical_nulls()))
     }
+}
+
+/// `contains` of every value of `values` (of a supported type).
+fn collect_matches(values: &ArrayRef, contains: impl Fn(i64) -> bool) -> Result<BooleanBuffer> {
+    // Every supported type widens to i64 exactly (`supports`).
+    #[allow(clippy::unnecessary_cast)]
+    let matched = with_integer_keys!(values, keys => {
+        BooleanBuffer::collect_bool(keys.len(), |index| contains(keys[index] as i64))
+    }, else {
+        return internal_err!("key bitmap probed with values of type {}", values.data_type());
+    });
+    Ok(matched)
 }
 
 /// Values in `[low, high]`.
@@ -279,6 +428,7 @@ impl fmt::Debug for KeyBitmapExpr {
             .field("base", &self.base)
             .field("bits", &self.bits)
             .field("keys", &self.keys)
+            .field("cut", &self.is_cut())
             .finish()
     }
 }
@@ -304,6 +454,7 @@ impl PartialEq for KeyBitmapExpr {
             && self.base == other.base
             && self.bits == other.bits
             && self.words == other.words
+            && self.chunks == other.chunks
     }
 }
 
@@ -315,6 +466,7 @@ impl Hash for KeyBitmapExpr {
         self.base.hash(state);
         self.bits.hash(state);
         self.words.hash(state);
+        self.chunks.hash(state);
     }
 }
 

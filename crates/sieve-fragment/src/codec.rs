@@ -14,6 +14,7 @@ use arrow::datatypes::{DataType, SchemaRef};
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::common::{internal_err, plan_datafusion_err, plan_err, Result, Statistics};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use datafusion::physical_expr_common::physical_expr::proto_decode::PhysicalExprDecodeCtx;
 use datafusion::physical_expr_common::physical_expr::proto_encode::PhysicalExprEncodeCtx;
@@ -166,22 +167,49 @@ const SLICE_INPUT_MARKER: u32 = 0x51_1c_e0;
 
 /// The codec for fragments. `slice_schema` is the schema a decoded
 /// [`SliceInputExec`] gets (the fragment's projection of the table schema).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct SieveCodec {
     slice_schema: Option<SchemaRef>,
+    key_ranges: Option<KeyRanges>,
+}
+
+/// The value ranges (inclusive) a storage node's slices hold in a column,
+/// by name and type, if every slice's statistics say: a key bitmap over
+/// that column is cut to them ([`KeyBitmapExpr::from_parts_cut`]).
+pub type KeyRanges = Arc<dyn Fn(&str, &DataType) -> Option<Vec<(i64, i64)>> + Send + Sync>;
+
+impl fmt::Debug for SieveCodec {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_struct("SieveCodec")
+            .field("slice_schema", &self.slice_schema)
+            .field("key_ranges", &self.key_ranges.is_some())
+            .finish()
+    }
 }
 
 impl SieveCodec {
     /// A codec for encoding (and for decoding expressions only).
     pub fn new() -> Self {
-        Self { slice_schema: None }
+        Self {
+            slice_schema: None,
+            key_ranges: None,
+        }
     }
 
     /// A codec that decodes a [`SliceInputExec`] with `schema`.
     pub fn with_slice_schema(schema: SchemaRef) -> Self {
         Self {
             slice_schema: Some(schema),
+            key_ranges: None,
         }
+    }
+
+    /// A codec that cuts each key bitmap it decodes over a column to the
+    /// value ranges `key_ranges` gives for it.
+    pub fn with_key_ranges(mut self, key_ranges: KeyRanges) -> Self {
+        self.key_ranges = Some(key_ranges);
+        self
     }
 }
 
@@ -249,14 +277,31 @@ impl PhysicalExtensionCodec for SieveCodec {
                 bloom.keys,
                 bloom.fpp,
             )?)),
-            Some(SieveExprKind::Bitmap(bitmap)) => Ok(Arc::new(KeyBitmapExpr::from_parts(
-                Arc::clone(input),
-                data_type,
-                bitmap.base,
-                bitmap.bits,
-                &bitmap.words,
-                bitmap.keys,
-            )?)),
+            Some(SieveExprKind::Bitmap(bitmap)) => {
+                let ranges = self.key_ranges.as_ref().and_then(|key_ranges| {
+                    let column = input.downcast_ref::<Column>()?;
+                    key_ranges(column.name(), &data_type)
+                });
+                Ok(Arc::new(match ranges {
+                    Some(ranges) => KeyBitmapExpr::from_parts_cut(
+                        Arc::clone(input),
+                        data_type,
+                        bitmap.base,
+                        bitmap.bits,
+                        &bitmap.words,
+                        bitmap.keys,
+                        &ranges,
+                    )?,
+                    None => KeyBitmapExpr::from_parts(
+                        Arc::clone(input),
+                        data_type,
+                        bitmap.base,
+                        bitmap.bits,
+                        &bitmap.words,
+                        bitmap.keys,
+                    )?,
+                }))
+            }
             None => plan_err!("unknown expression in NDP fragment"),
         }
     }

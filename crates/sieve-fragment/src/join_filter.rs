@@ -126,10 +126,13 @@ impl JoinFilterRegistration {
     /// table, schema and allow-list are checked. `schema_of` gives the
     /// schema of a table the node holds. `bytes` are dropped once decoded: a
     /// key bitmap of SF 100's order keys is 75 MB, and each copy of it a
-    /// storage node holds at once counts in its peak memory.
+    /// storage node holds at once counts in its peak memory. `key_ranges`
+    /// gives, for the registration's table, the key ranges the node's
+    /// slices hold in a column: a key bitmap over it is cut to them.
     pub fn decode_checked(
         bytes: Vec<u8>,
         schema_of: impl FnOnce(&str) -> Result<Arc<Schema>>,
+        key_ranges: impl FnOnce(&str) -> Option<crate::KeyRanges>,
         task_context: &TaskContext,
     ) -> Result<DecodedJoinFilter> {
         if bytes.len() > JOIN_FILTER_BYTES_MAX {
@@ -155,7 +158,11 @@ impl JoinFilterRegistration {
         let Some(node) = &registration.filter else {
             return plan_err!("join filter without a filter");
         };
-        let filter = parse_physical_expr(node, task_context, &schema, &SieveCodec::new())
+        let codec = match key_ranges(&registration.table) {
+            Some(key_ranges) => SieveCodec::new().with_key_ranges(key_ranges),
+            None => SieveCodec::new(),
+        };
+        let filter = parse_physical_expr(node, task_context, &schema, &codec)
             .map_err(|error| plan_datafusion_err!("join filter cannot be decoded: {error}"))?;
         if let Err(error) = check_allowed(&filter, &schema) {
             crate::dismantle(filter);
@@ -218,9 +225,13 @@ mod tests {
         ));
         let (bytes, id) = JoinFilterRegistration::encode("t", &schema, &filter).unwrap();
         let context = SessionContext::new().task_ctx();
-        let decoded =
-            JoinFilterRegistration::decode_checked(bytes, |_| Ok(Arc::clone(&schema)), &context)
-                .unwrap();
+        let decoded = JoinFilterRegistration::decode_checked(
+            bytes,
+            |_| Ok(Arc::clone(&schema)),
+            |_| None,
+            &context,
+        )
+        .unwrap();
         assert_eq!(decoded.id, id);
         assert_eq!(decoded.table, "t");
         assert_eq!(format!("{}", decoded.filter), format!("{filter}"));
@@ -260,6 +271,7 @@ mod tests {
         let decoded = JoinFilterRegistration::decode_checked(
             JoinFilterRegistration::decompress(&body).unwrap(),
             |_| Ok(Arc::clone(&schema)),
+            |_| None,
             &context,
         )
         .unwrap();
@@ -307,6 +319,71 @@ mod tests {
             let got = arrow::array::Array::is_valid(answer, row).then(|| answer.value(row));
             assert_eq!(got, expected, "key {probe:?}");
         }
+
+        // A node whose slices hold keys in two ranges keeps the chunks of
+        // the bitmap over them: exact inside, every key passing outside
+        // (a filter only removes rows the join drops), in a fraction of
+        // the bytes.
+        let ranges = vec![(1, 100_000_000), (299_999_990, 300_000_010)];
+        let kept = ranges.clone();
+        let cut = JoinFilterRegistration::decode_checked(
+            JoinFilterRegistration::decompress(&body).unwrap(),
+            |_| Ok(Arc::clone(&schema)),
+            |table| {
+                assert_eq!(table, "t");
+                let ranges: crate::KeyRanges = Arc::new(move |column, data_type| {
+                    assert_eq!((column, data_type), ("k", &DataType::Int64));
+                    Some(kept.clone())
+                });
+                Some(ranges)
+            },
+            &context,
+        )
+        .unwrap();
+        let cut_bitmap = cut.filter.downcast_ref::<crate::KeyBitmapExpr>().unwrap();
+        let whole = bitmap.downcast_ref::<crate::KeyBitmapExpr>().unwrap();
+        assert!(cut_bitmap.is_cut());
+        assert!(
+            cut_bitmap.byte_len() < whole.byte_len() / 5,
+            "{} of {}",
+            cut_bitmap.byte_len(),
+            whole.byte_len()
+        );
+        let answer = cut
+            .filter
+            .evaluate(&batch)
+            .unwrap()
+            .into_array(probes.len())
+            .unwrap();
+        let answer = arrow::array::AsArray::as_boolean(&answer);
+        let chunk_values = (crate::KEY_BITMAP_CHUNK_WORDS * 64) as i64;
+        for (row, probe) in probes.iter().enumerate() {
+            let exact = probe.map(|v| (1..600_000_000).contains(&v) && (v - 1) % 26 == 0);
+            let got = arrow::array::Array::is_valid(answer, row).then(|| answer.value(row));
+            let kept_chunk = probe.is_some_and(|v| {
+                ranges.iter().any(|&(low, high)| {
+                    let chunk = |value: i64| (value - 1).div_euclid(chunk_values);
+                    (chunk(low)..=chunk(high)).contains(&chunk(v))
+                })
+            });
+            let in_bitmap = probe.is_some_and(|v| (1..600_000_000).contains(&v));
+            if kept_chunk || !in_bitmap {
+                assert_eq!(got, exact, "key {probe:?}, in a kept chunk or outside");
+            } else {
+                assert_eq!(got, Some(true), "key {probe:?}, in a chunk left out");
+            }
+        }
+        // On the wire again, a chunk left out is all ones.
+        let again = crate::KeyBitmapExpr::from_parts(
+            Arc::new(Column::new("k", 1)),
+            DataType::Int64,
+            cut_bitmap.base(),
+            cut_bitmap.bits(),
+            &cut_bitmap.to_bytes(),
+            cut_bitmap.keys(),
+        )
+        .unwrap();
+        assert_eq!(again.to_bytes(), cut_bitmap.to_bytes());
     }
 
     #[test]
@@ -314,9 +391,13 @@ mod tests {
         let schema = schema();
         let context = SessionContext::new().task_ctx();
         let schema_of = |_: &str| Ok(Arc::clone(&schema));
-        assert!(
-            JoinFilterRegistration::decode_checked(vec![0xff, 0xff], schema_of, &context).is_err()
-        );
+        assert!(JoinFilterRegistration::decode_checked(
+            vec![0xff, 0xff],
+            schema_of,
+            |_| None,
+            &context
+        )
+        .is_err());
         let filter: Arc<dyn PhysicalExpr> = Arc::new(Column::new("k", 1));
         let mut registration = JoinFilterRegistration {
             version: FRAGMENT_VERSION,
@@ -327,6 +408,7 @@ mod tests {
         let error = JoinFilterRegistration::decode_checked(
             registration.encode_to_vec(),
             |_| Ok(Arc::clone(&schema)),
+            |_| None,
             &context,
         )
         .unwrap_err();
@@ -336,6 +418,7 @@ mod tests {
         let error = JoinFilterRegistration::decode_checked(
             registration.encode_to_vec(),
             |_| Ok(Arc::clone(&schema)),
+            |_| None,
             &context,
         )
         .unwrap_err();

@@ -19,7 +19,10 @@ use std::time::Duration;
 
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
-use datafusion::common::{internal_datafusion_err, plan_datafusion_err, plan_err, Result};
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+use datafusion::common::{
+    internal_datafusion_err, plan_datafusion_err, plan_err, Result, ScalarValue,
+};
 use datafusion::execution::object_store::ObjectStoreUrl;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::ExecutionPlan;
@@ -124,6 +127,10 @@ pub struct SliceExecutor {
     fragments_decoded: AtomicU64,
     counters: NodeCounters,
     join_filters: JoinFilterRegistry,
+    /// Held while a join filter registration is decoded: one at a time, so
+    /// the copies a large one passes through (a key bitmap over SF 100's
+    /// order keys is 75 MB) are not multiplied by concurrent queries.
+    decoding_join_filter: Mutex<()>,
     bodies: BodyRegistry,
     faults: Arc<Faults>,
 }
@@ -151,6 +158,11 @@ pub struct NodeCounters {
     pub raw_bytes_served: AtomicU64,
     /// Most slices processed at once so far.
     pub slices_running_max: AtomicU64,
+    /// Bytes of the key bitmaps in registered join filters, whole.
+    pub join_filter_bitmap_bytes: AtomicU64,
+    /// Bytes of those bitmaps the node kept: each cut to the key ranges of
+    /// its slices.
+    pub join_filter_bitmap_bytes_kept: AtomicU64,
 }
 
 impl NodeCounters {
@@ -190,6 +202,8 @@ impl NodeCounters {
             "slices_as_stored": load(&self.slices_as_stored),
             "raw_bytes_served": load(&self.raw_bytes_served),
             "slices_running_max": load(&self.slices_running_max),
+            "join_filter_bitmap_bytes": load(&self.join_filter_bitmap_bytes),
+            "join_filter_bitmap_bytes_kept": load(&self.join_filter_bitmap_bytes_kept),
         })
     }
 }
@@ -207,6 +221,7 @@ impl SliceExecutor {
             fragments_decoded: AtomicU64::new(0),
             counters: NodeCounters::default(),
             join_filters: JoinFilterRegistry::default(),
+            decoding_join_filter: Mutex::new(()),
             bodies: BodyRegistry::default(),
             faults: Arc::new(Faults::new()),
         }
@@ -226,14 +241,37 @@ impl SliceExecutor {
 
     /// Decompress, decode, check and keep a join filter registration (a
     /// compressed, encoded `sieve_fragment::JoinFilterRegistration`);
-    /// returns its id.
+    /// returns its id. A key bitmap in it is cut to the key ranges this
+    /// node's slices of the table hold ([`key_ranges`]). Blocking: one
+    /// registration is decoded at a time.
     pub fn register_join_filter(&self, body: &[u8]) -> Result<[u8; JOIN_FILTER_ID_BYTES]> {
+        let _one_at_a_time = self
+            .decoding_join_filter
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let bytes = JoinFilterRegistration::decompress(body)?;
         let decoded = JoinFilterRegistration::decode_checked(
             bytes,
             |table| Ok(Arc::clone(&self.catalog.table(table)?.schema)),
+            |table| {
+                let table = self.catalog.table(table).ok()?;
+                let ranges: sieve_fragment::KeyRanges =
+                    Arc::new(move |column, data_type| key_ranges(&table, column, data_type));
+                Some(ranges)
+            },
             &self.task_context,
         )?;
+        decoded.filter.apply(|node| {
+            if let Some(bitmap) = node.downcast_ref::<sieve_fragment::KeyBitmapExpr>() {
+                self.counters
+                    .join_filter_bitmap_bytes
+                    .fetch_add(bitmap.bits().div_ceil(64) * 8, Ordering::Relaxed);
+                self.counters
+                    .join_filter_bitmap_bytes_kept
+                    .fetch_add(bitmap.byte_len() as u64, Ordering::Relaxed);
+            }
+            Ok(TreeNodeRecursion::Continue)
+        })?;
         let id = decoded.id;
         self.join_filters
             .register(decoded)
@@ -590,6 +628,54 @@ impl SliceStream {
             join_filter_missing: self.join_filter_missing,
         }
     }
+}
+
+/// The value ranges (inclusive) this node's slices of `table` hold in
+/// `column`, by their statistics, merged where they touch: `None` unless
+/// every slice has both bounds as an integer or a date (a key bitmap is
+/// then kept whole). The ranges only decide which chunks of a bitmap are
+/// kept; values outside them pass, so a slice whose statistics are off is
+/// filtered less, never wrongly.
+pub(crate) fn key_ranges(
+    table: &crate::CatalogTable,
+    column: &str,
+    data_type: &arrow::datatypes::DataType,
+) -> Option<Vec<(i64, i64)>> {
+    let as_i64 = |text: &Option<String>| -> Option<i64> {
+        let value = ScalarValue::try_from_string(text.clone()?, data_type).ok()?;
+        match value {
+            ScalarValue::Int8(Some(v)) => Some(v.into()),
+            ScalarValue::Int16(Some(v)) => Some(v.into()),
+            ScalarValue::Int32(Some(v)) => Some(v.into()),
+            ScalarValue::Int64(Some(v)) => Some(v),
+            ScalarValue::UInt8(Some(v)) => Some(v.into()),
+            ScalarValue::UInt16(Some(v)) => Some(v.into()),
+            ScalarValue::UInt32(Some(v)) => Some(v.into()),
+            ScalarValue::Date32(Some(v)) => Some(v.into()),
+            _ => None,
+        }
+    };
+    let mut ranges = table
+        .slices
+        .values()
+        .map(|slice| {
+            let summary = slice
+                .summary
+                .columns
+                .iter()
+                .find(|summary| summary.name == column)?;
+            Some((as_i64(&summary.min)?, as_i64(&summary.max)?))
+        })
+        .collect::<Option<Vec<_>>>()?;
+    ranges.sort_unstable();
+    let mut merged: Vec<(i64, i64)> = Vec::with_capacity(ranges.len());
+    for (low, high) in ranges {
+        match merged.last_mut() {
+            Some(last) if low <= last.1.saturating_add(1) => last.1 = last.1.max(high),
+            _ => merged.push((low, high)),
+        }
+    }
+    Some(merged)
 }
 
 /// Whether every value of leaf column `column` of the slice lies in the

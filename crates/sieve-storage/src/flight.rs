@@ -485,11 +485,22 @@ impl FlightService for StorageFlightService {
                 Ok(Response::new(Box::pin(stream::once(async { Ok(result) }))))
             }
             REGISTER_JOIN_FILTER_ACTION => {
-                let id = guarded("decoding a join filter", || {
-                    self.executor
-                        .register_join_filter(&action.body)
-                        .map_err(|error| Status::invalid_argument(clip(error.strip_backtrace())))
-                })?;
+                // Decoded on a blocking thread: a large one takes a while,
+                // and waits for the one before it.
+                let executor = Arc::clone(&self.executor);
+                let id = tokio::task::spawn_blocking(move || {
+                    guarded("decoding a join filter", || {
+                        executor
+                            .register_join_filter(&action.body)
+                            .map_err(|error| {
+                                Status::invalid_argument(clip(error.strip_backtrace()))
+                            })
+                    })
+                })
+                .await
+                .map_err(|error| {
+                    Status::internal(format!("decoding a join filter failed: {error}"))
+                })??;
                 let result = arrow_flight::Result {
                     body: id.to_vec().into(),
                 };

@@ -10,7 +10,6 @@ use std::sync::Arc;
 use arrow::array::{ArrayRef, Int64Array, StringArray};
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow::record_batch::RecordBatch;
-use datafusion::datasource::MemTable;
 use datafusion::physical_plan::collect;
 use datafusion::prelude::SessionContext;
 use sieve_cli::cluster::EmbeddedCluster;
@@ -171,25 +170,13 @@ async fn swapped_joins_over_null_keys_equal_plain_datafusion() {
     let root = common::empty_root("join-sides", NODES);
     let (cluster, session) = common::cluster_with_catalog(&root, NODES).await;
     let reference = SessionContext::new();
-    for (name, batch) in tables() {
-        let schema = batch.schema();
-        let source = MemTable::try_new(Arc::clone(&schema), vec![vec![batch.clone()]]).unwrap();
-        session
-            .context
-            .register_table(format!("{name}_source"), Arc::new(source))
-            .unwrap();
-        session
-            .sql(&format!(
-                "CREATE TABLE {name} WITH (slice_rows = 4000, page_rows = 512) AS SELECT * FROM {name}_source"
-            ))
-            .await
-            .unwrap()
-            .collect()
-            .await
-            .unwrap();
-        let copy = MemTable::try_new(schema, vec![vec![batch]]).unwrap();
-        reference.register_table(name, Arc::new(copy)).unwrap();
-    }
+    common::create_owned_tables(
+        &session,
+        &reference,
+        tables(),
+        "slice_rows = 4000, page_rows = 512",
+    )
+    .await;
     partitioned_joins(&session).await;
     // DataFusion would build on the join of `mid` and `small` by its own
     // estimate; without its reordering `big`, the left input, is the build

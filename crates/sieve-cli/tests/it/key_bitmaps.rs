@@ -11,7 +11,6 @@ use std::sync::Arc;
 use arrow::array::{ArrayRef, Date32Array, Int64Array};
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow::record_batch::RecordBatch;
-use datafusion::datasource::MemTable;
 use datafusion::prelude::SessionContext;
 use sieve_cli::compare::{rows_as_text, run};
 
@@ -87,25 +86,13 @@ async fn keys_past_the_bound_in_a_narrow_range_filter_exactly_as_a_bitmap() {
     let root = common::empty_root("key-bitmaps", NODES);
     let (cluster, session) = common::cluster_with_catalog(&root, NODES).await;
     let reference = SessionContext::new();
-    for (name, batch) in tables() {
-        let schema = batch.schema();
-        let source = MemTable::try_new(Arc::clone(&schema), vec![vec![batch.clone()]]).unwrap();
-        session
-            .context
-            .register_table(format!("{name}_source"), Arc::new(source))
-            .unwrap();
-        session
-            .sql(&format!(
-                "CREATE TABLE {name} WITH (slice_rows = 8000, page_rows = 512) AS SELECT * FROM {name}_source"
-            ))
-            .await
-            .unwrap()
-            .collect()
-            .await
-            .unwrap();
-        let copy = MemTable::try_new(schema, vec![vec![batch]]).unwrap();
-        reference.register_table(name, Arc::new(copy)).unwrap();
-    }
+    common::create_owned_tables(
+        &session,
+        &reference,
+        tables(),
+        "slice_rows = 8000, page_rows = 512",
+    )
+    .await;
 
     // At the default bound the 5,600 keys are values; at 1,000 they pass
     // it and are kept as a bitmap. Both are exact: the probe scan yields
@@ -146,6 +133,103 @@ async fn keys_past_the_bound_in_a_narrow_range_filter_exactly_as_a_bitmap() {
     assert!(
         yielded.iter().all(|rows| *rows == yielded[0]) && yielded[0] < 60_000,
         "fact yielded {yielded:?} rows"
+    );
+    drop(session);
+    drop(cluster);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The nodes' `stats` field `key`, summed.
+async fn node_stat(cluster: &sieve_cli::cluster::EmbeddedCluster, key: &str) -> u64 {
+    let mut total = 0;
+    for url in cluster.urls() {
+        let stats = sieve_compute::StorageClient::connect(&url, Some(cluster.secret()))
+            .await
+            .unwrap()
+            .stats()
+            .await
+            .unwrap();
+        total += stats[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{key} missing from {stats}"));
+    }
+    total
+}
+
+/// A key bitmap wider than a chunk reaches each node cut to the key ranges
+/// its slices hold: `wide_fact`'s keys run in order over 3.6 M values in
+/// slices of 300,000 values each, round-robin over the nodes; `wide_dim`'s
+/// over half that, dense enough to be collected as a bitmap. Each node
+/// keeps about a third of the bitmap, and every join type still answers as
+/// plain DataFusion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wide_key_bitmap_is_cut_to_the_key_ranges_each_node_holds() {
+    let root = common::empty_root("key-bitmaps-cut", NODES);
+    let (cluster, session) = common::cluster_with_catalog(&root, NODES).await;
+    let reference = SessionContext::new();
+    let rows = 60_000i64;
+    let wide_fact = RecordBatch::try_new(
+        Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Int64, true),
+            Field::new("v", DataType::Int64, false),
+        ])),
+        vec![
+            Arc::new(Int64Array::from_iter(
+                (0..rows).map(|i| (i % 13 != 0).then_some(i * 60 - 5_000)),
+            )) as ArrayRef,
+            Arc::new(Int64Array::from_iter_values((0..rows).map(|i| i % 101))),
+        ],
+    )
+    .unwrap();
+    let wide_dim = RecordBatch::try_new(
+        Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Int64, true),
+            Field::new("flag", DataType::Int64, false),
+        ])),
+        vec![
+            Arc::new(Int64Array::from_iter(
+                (0..rows).map(|i| (i % 17 != 0).then_some(i * 30 - 5_000)),
+            )) as ArrayRef,
+            Arc::new(Int64Array::from_iter_values((0..rows).map(|i| i % 4))),
+        ],
+    )
+    .unwrap();
+    // One partition loads the rows in order, so each slice holds a range.
+    session
+        .sql("SET datafusion.execution.target_partitions = 1")
+        .await
+        .unwrap();
+    common::create_owned_tables(
+        &session,
+        &reference,
+        vec![("wide_fact", wide_fact), ("wide_dim", wide_dim)],
+        "slice_rows = 5000, page_rows = 512, replicas = 1",
+    )
+    .await;
+    session
+        .sql("SET datafusion.execution.target_partitions = 2")
+        .await
+        .unwrap();
+    session
+        .sql("SET sieve.join_filter_keys_max = 1000")
+        .await
+        .unwrap();
+    let queries = QUERIES
+        .iter()
+        .filter(|sql| !sql.contains(".d ") && !sql.contains(" d IN"))
+        .map(|sql| sql.replace("fact", "wide_fact").replace("dim", "wide_dim"));
+    let mut checked = 0;
+    for sql in queries {
+        check(&session, &reference, &sql, "wide_fact").await;
+        checked += 1;
+    }
+    assert!(checked >= 9, "{checked} queries");
+    let whole = node_stat(&cluster, "join_filter_bitmap_bytes").await;
+    let kept = node_stat(&cluster, "join_filter_bitmap_bytes_kept").await;
+    assert!(whole > 0, "no key bitmap was registered");
+    assert!(
+        kept * 2 < whole,
+        "the nodes kept {kept} of the bitmaps' {whole} bytes"
     );
     drop(session);
     drop(cluster);

@@ -53,7 +53,7 @@ async fn nodes_that_keep_no_slice_metadata_answer_as_plain_datafusion() {
         let loaded_at_start = summed(&cluster, "slice_details_loads").await;
         assert!(loaded_at_start > 0);
         for (name, sql) in TPCH_QUERIES {
-            if workers == 0 && !["q1", "q3", "q6", "q9", "q18"].contains(&name.as_ref()) {
+            if workers == 0 && !matches!(name, "q1" | "q3" | "q6" | "q9" | "q18") {
                 continue;
             }
             let expected =

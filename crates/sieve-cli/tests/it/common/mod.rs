@@ -239,6 +239,38 @@ pub(crate) async fn cluster_with_catalog(
     (cluster, session)
 }
 
+/// Each `(name, batch)` loaded as a table the user owns through `CREATE
+/// TABLE name WITH (with) AS SELECT` in `session`, and registered as it is
+/// in `reference` (plain DataFusion) under the same name.
+pub(crate) async fn create_owned_tables(
+    session: &sieve_compute::SieveSession,
+    reference: &datafusion::prelude::SessionContext,
+    tables: Vec<(&str, arrow::record_batch::RecordBatch)>,
+    with: &str,
+) {
+    use datafusion::datasource::MemTable;
+    use std::sync::Arc;
+    for (name, batch) in tables {
+        let schema = batch.schema();
+        let source = MemTable::try_new(Arc::clone(&schema), vec![vec![batch.clone()]]).unwrap();
+        session
+            .context
+            .register_table(format!("{name}_source"), Arc::new(source))
+            .unwrap();
+        session
+            .sql(&format!(
+                "CREATE TABLE {name} WITH ({with}) AS SELECT * FROM {name}_source"
+            ))
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        let copy = MemTable::try_new(schema, vec![vec![batch]]).unwrap();
+        reference.register_table(name, Arc::new(copy)).unwrap();
+    }
+}
+
 /// Run `sql` and sum the metric `names` over every Sieve scan of its plan.
 pub(crate) async fn run_with_scan_metrics(
     session: &sieve_compute::SieveSession,
