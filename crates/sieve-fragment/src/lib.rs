@@ -46,6 +46,7 @@ mod pruning;
 mod registered_body;
 mod slice_plan;
 mod unary;
+mod views;
 mod wire;
 
 pub use allow_list::{
@@ -84,4 +85,5 @@ pub use registered_body::{
 };
 pub use roaring::RoaringBitmap;
 pub use slice_plan::{needed_columns, slice_plan, SlicePlan, SliceSource, ROW_POSITION_COLUMN};
+pub use views::compact_views;
 pub use wire::{narrow, widen, wire_schema, wire_type};

@@ -715,7 +715,11 @@ async fn process(
         executor: Arc::clone(&executor),
     };
     let batches = batches.map(|item| match item {
-        Ok(batch) => compact_views(batch)
+        // A view array read from Parquet points into whole decoded pages,
+        // and Arrow IPC writes every buffer a column references: without
+        // this a batch of a few rows ships the pages they came from (TPC-H
+        // customer: 5x its stored size).
+        Ok(batch) => sieve_fragment::compact_views(batch, 1.0)
             .map_err(|error| FlightError::Tonic(Box::new(Status::internal(error.to_string())))),
         Err(error) => Err(FlightError::Tonic(Box::new(to_status(error)))),
     });
@@ -886,38 +890,6 @@ impl Stream for FinishingStream {
         }
         polled
     }
-}
-
-/// Copy the strings a batch's view columns use into fresh buffers. A view
-/// array read from Parquet points into whole decoded pages, and Arrow IPC
-/// writes every buffer a column references, so without this a batch of a few
-/// rows ships the pages they came from (TPC-H customer: 5x its stored size).
-fn compact_views(
-    batch: arrow::record_batch::RecordBatch,
-) -> Result<arrow::record_batch::RecordBatch, arrow::error::ArrowError> {
-    use arrow::array::{Array, ArrayRef, AsArray};
-    use arrow::datatypes::DataType;
-    let has_views = batch.columns().iter().any(|column| {
-        matches!(
-            column.data_type(),
-            DataType::Utf8View | DataType::BinaryView
-        )
-    });
-    if !has_views {
-        return Ok(batch);
-    }
-    let columns: Vec<ArrayRef> = batch
-        .columns()
-        .iter()
-        .map(|column| match column.data_type() {
-            DataType::Utf8View => Arc::new(column.as_string_view().gc()) as ArrayRef,
-            DataType::BinaryView => Arc::new(column.as_binary_view().gc()) as ArrayRef,
-            _ => Arc::clone(column),
-        })
-        .collect();
-    let options =
-        arrow::record_batch::RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
-    arrow::record_batch::RecordBatch::try_new_with_options(batch.schema(), columns, &options)
 }
 
 #[cfg(test)]
