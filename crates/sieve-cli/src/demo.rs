@@ -67,6 +67,26 @@ pub fn ensure_data(options: &DemoOptions) -> Result<PathBuf> {
         options.scale_factor,
         options.replicas,
     );
+    // A data set of the same scale factor without replicas (`sieve gen`'s,
+    // the bench's) is used rather than generating the replicated one next
+    // to it: at SF 100 that is 60 GB more, and filled a disk once.
+    let single = crate::cluster::data_set_directory(
+        &options.data_directory,
+        Benchmark::Tpch,
+        options.scale_factor,
+        1,
+    );
+    if options.replicas > 1
+        && !is_generated(&root, Benchmark::Tpch, options.nodes, options.replicas)
+        && is_generated(&single, Benchmark::Tpch, options.nodes, 1)
+    {
+        eprintln!(
+            "using TPC-H SF {} in {} (one copy of each slice: a node lost is not covered by a replica)",
+            options.scale_factor,
+            single.display()
+        );
+        return Ok(single);
+    }
     if !is_generated(&root, Benchmark::Tpch, options.nodes, options.replicas) {
         eprintln!(
             "generating TPC-H SF {} into {} ...",

@@ -23,7 +23,7 @@ use arrow::datatypes::{
     UInt16Type, UInt32Type, UInt64Type, UInt8Type,
 };
 use arrow::record_batch::RecordBatch;
-use datafusion::common::{internal_err, plan_err, Result};
+use datafusion::common::{internal_err, plan_datafusion_err, plan_err, Result};
 use datafusion::logical_expr::ColumnarValue;
 use datafusion::physical_expr::PhysicalExpr;
 
@@ -147,23 +147,8 @@ impl KeyBitmapExpr {
         bytes: &[u8],
         keys: u64,
     ) -> Result<Self> {
-        if !Self::supports(&data_type) {
-            return plan_err!("a key bitmap cannot hold keys of type {data_type}");
-        }
-        if bits == 0
-            || bytes.len() > KEY_BITMAP_BYTES_MAX
-            || bytes.len() as u64 != bits.div_ceil(64) * 8
-        {
-            return plan_err!(
-                "key bitmap of {bits} bits does not match its {} bytes (at most {KEY_BITMAP_BYTES_MAX})",
-                bytes.len()
-            );
-        }
-        let words = bytes
-            .chunks_exact(8)
-            .map(|chunk| u64::from_le_bytes(chunk.try_into().expect("chunks of 8")))
-            .collect();
-        Self::from_words(input, data_type, base, bits, words, keys)
+        Self::check_length(bits, bytes.len())?;
+        Self::from_reader(input, data_type, base, bits, bytes, keys, None)
     }
 
     /// A bitmap from its words: bit `i` of word `w` stands for the value
@@ -215,59 +200,136 @@ impl KeyBitmapExpr {
         keys: u64,
         ranges: &[(i64, i64)],
     ) -> Result<Self> {
+        Self::check_length(bits, bytes.len())?;
+        Self::from_reader(input, data_type, base, bits, bytes, keys, Some(ranges))
+    }
+
+    /// A bitmap's words as they travel when large: one zstd frame of its
+    /// little-endian words, encoded chunk by chunk (no copy of the whole).
+    pub fn to_zstd(&self) -> Result<Vec<u8>> {
+        use std::io::Write;
+        let io =
+            |error: std::io::Error| plan_datafusion_err!("cannot compress a key bitmap: {error}");
+        let mut encoder = zstd::stream::write::Encoder::new(Vec::new(), 1).map_err(io)?;
+        let mut buffer = Vec::with_capacity(KEY_BITMAP_CHUNK_WORDS * 8);
+        for words in self.whole_words().chunks(KEY_BITMAP_CHUNK_WORDS) {
+            buffer.clear();
+            buffer.extend(words.iter().flat_map(|word| word.to_le_bytes()));
+            encoder.write_all(&buffer).map_err(io)?;
+        }
+        encoder.finish().map_err(io)
+    }
+
+    /// Rebuild a bitmap from [`Self::to_zstd`]'s frame, decompressed chunk
+    /// by chunk (at most the bitmap's own bytes are read from it: a frame
+    /// decompressing to more or less is refused), cut to `ranges` if given.
+    pub fn from_zstd(
+        input: Arc<dyn PhysicalExpr>,
+        data_type: DataType,
+        base: i64,
+        bits: u64,
+        compressed: &[u8],
+        keys: u64,
+        ranges: Option<&[(i64, i64)]>,
+    ) -> Result<Self> {
+        let decoder = zstd::stream::read::Decoder::new(compressed)
+            .map_err(|error| plan_datafusion_err!("key bitmap is not a zstd frame: {error}"))?;
+        Self::from_reader(input, data_type, base, bits, decoder, keys, ranges)
+    }
+
+    fn check_length(bits: u64, bytes: usize) -> Result<()> {
+        if bits == 0 || bytes > KEY_BITMAP_BYTES_MAX || bytes as u64 != bits.div_ceil(64) * 8 {
+            return plan_err!(
+                "key bitmap of {bits} bits does not match its {bytes} bytes (at most {KEY_BITMAP_BYTES_MAX})"
+            );
+        }
+        Ok(())
+    }
+
+    /// Read a bitmap's `bits.div_ceil(64)` little-endian words from
+    /// `reader`, which must hold exactly those, keeping the chunks that
+    /// overlap `ranges` (all without).
+    fn from_reader(
+        input: Arc<dyn PhysicalExpr>,
+        data_type: DataType,
+        base: i64,
+        bits: u64,
+        mut reader: impl std::io::Read,
+        keys: u64,
+        ranges: Option<&[(i64, i64)]>,
+    ) -> Result<Self> {
         if !Self::supports(&data_type) {
             return plan_err!("a key bitmap cannot hold keys of type {data_type}");
         }
-        if bits == 0
-            || bytes.len() > KEY_BITMAP_BYTES_MAX
-            || bytes.len() as u64 != bits.div_ceil(64) * 8
-        {
+        let word_count = usize::try_from(bits.div_ceil(64)).unwrap_or(usize::MAX);
+        if bits == 0 || word_count.saturating_mul(8) > KEY_BITMAP_BYTES_MAX {
             return plan_err!(
-                "key bitmap of {bits} bits does not match its {} bytes (at most {KEY_BITMAP_BYTES_MAX})",
-                bytes.len()
+                "key bitmap of {bits} bits is empty or above {KEY_BITMAP_BYTES_MAX} bytes"
             );
         }
-        let mut ranges: Vec<(i128, i128)> = ranges
-            .iter()
-            .filter(|(low, high)| low <= high)
-            .map(|&(low, high)| (i128::from(low), i128::from(high)))
-            .collect();
-        ranges.sort_unstable();
-        let word_count = bytes.len() / 8;
+        let mut ranges: Option<Vec<(i128, i128)>> = ranges.map(|ranges| {
+            ranges
+                .iter()
+                .filter(|(low, high)| low <= high)
+                .map(|&(low, high)| (i128::from(low), i128::from(high)))
+                .collect()
+        });
+        if let Some(ranges) = &mut ranges {
+            ranges.sort_unstable();
+        }
         let chunk_count = word_count.div_ceil(KEY_BITMAP_CHUNK_WORDS);
         let chunk_values = (KEY_BITMAP_CHUNK_WORDS * 64) as i128;
-        let mut chunks = Vec::with_capacity(chunk_count);
-        let mut words = Vec::new();
+        let mut chunks = Vec::with_capacity(if ranges.is_some() { chunk_count } else { 0 });
+        let mut words: Vec<u64> = Vec::with_capacity(if ranges.is_some() { 0 } else { word_count });
+        let mut buffer = vec![0u8; KEY_BITMAP_CHUNK_WORDS * 8];
         let mut next_range = 0;
+        let short = |error: std::io::Error| {
+            plan_datafusion_err!("key bitmap of {bits} bits: its words cannot be read: {error}")
+        };
         for chunk in 0..chunk_count {
-            let low = i128::from(base) + chunk as i128 * chunk_values;
-            let high = low + chunk_values - 1;
-            // Ranges ending before this chunk end before every later one.
-            while next_range < ranges.len() && ranges[next_range].1 < low {
-                next_range += 1;
-            }
-            let overlaps = ranges[next_range..]
-                .iter()
-                .take_while(|(range_low, _)| *range_low <= high)
-                .any(|(_, range_high)| *range_high >= low);
-            if !overlaps {
-                chunks.push(CHUNK_LEFT_OUT);
-                continue;
-            }
-            chunks.push((words.len() / KEY_BITMAP_CHUNK_WORDS) as u32);
             let first = chunk * KEY_BITMAP_CHUNK_WORDS;
-            let last = (first + KEY_BITMAP_CHUNK_WORDS).min(word_count);
+            let count = (word_count - first).min(KEY_BITMAP_CHUNK_WORDS);
+            let buffer = &mut buffer[..count * 8];
+            reader.read_exact(buffer).map_err(short)?;
+            let kept = match &ranges {
+                None => true,
+                Some(ranges) => {
+                    let low = i128::from(base) + chunk as i128 * chunk_values;
+                    let high = low + chunk_values - 1;
+                    // Ranges ending before this chunk end before every later one.
+                    while next_range < ranges.len() && ranges[next_range].1 < low {
+                        next_range += 1;
+                    }
+                    ranges[next_range..]
+                        .iter()
+                        .take_while(|(range_low, _)| *range_low <= high)
+                        .any(|(_, range_high)| *range_high >= low)
+                }
+            };
+            if ranges.is_some() {
+                if !kept {
+                    chunks.push(CHUNK_LEFT_OUT);
+                    continue;
+                }
+                chunks.push((words.len() / KEY_BITMAP_CHUNK_WORDS) as u32);
+            }
             words.extend(
-                bytes[first * 8..last * 8]
+                buffer
                     .chunks_exact(8)
                     .map(|word| u64::from_le_bytes(word.try_into().expect("chunks of 8"))),
             );
-            // Every chunk kept is whole: the last one is padded (its
-            // values past `bits` are never looked up).
-            words.resize(words.len().next_multiple_of(KEY_BITMAP_CHUNK_WORDS), 0);
+            if ranges.is_some() {
+                // Every chunk kept is whole: the last one is padded (its
+                // values past `bits` are never looked up).
+                words.resize(words.len().next_multiple_of(KEY_BITMAP_CHUNK_WORDS), 0);
+            }
+        }
+        let mut beyond = [0u8; 1];
+        if reader.read(&mut beyond).map_err(short)? != 0 {
+            return plan_err!("key bitmap of {bits} bits has more words than its bits");
         }
         let cut = chunks.contains(&CHUNK_LEFT_OUT);
-        if !cut {
+        if ranges.is_some() && !cut {
             words.truncate(word_count);
         }
         Ok(Self {
@@ -279,6 +341,20 @@ impl KeyBitmapExpr {
             chunks: cut.then(|| Arc::new(chunks)),
             keys,
         })
+    }
+
+    /// The words of a bitmap that is not cut (a cut one's chunks left out
+    /// as all ones).
+    fn whole_words(&self) -> std::borrow::Cow<'_, [u64]> {
+        match &self.chunks {
+            None => std::borrow::Cow::Borrowed(self.words.as_slice()),
+            Some(_) => std::borrow::Cow::Owned(
+                self.to_bytes()
+                    .chunks_exact(8)
+                    .map(|word| u64::from_le_bytes(word.try_into().expect("chunks of 8")))
+                    .collect(),
+            ),
+        }
     }
 
     /// Whether this bitmap was cut to a node's key ranges (some chunks left out).
@@ -562,6 +638,89 @@ mod tests {
             )
             .unwrap();
             assert_eq!(again, bitmap);
+        }
+    }
+
+    /// A bitmap travels as one zstd frame and comes back whole or cut,
+    /// read chunk by chunk; a frame of fewer or more words than its bits,
+    /// or no frame at all, is refused.
+    #[test]
+    fn a_compressed_bitmap_comes_back_whole_or_cut_and_a_bad_frame_is_refused() {
+        let keys: ArrayRef = Arc::new(Int64Array::from_iter_values((0..2_000_000).map(|v| v * 3)));
+        let bitmap = KeyBitmapExpr::try_new(column(), DataType::Int64, &keys).unwrap();
+        let frame = bitmap.to_zstd().unwrap();
+        assert!(frame.len() < bitmap.byte_len() / 4, "{} bytes", frame.len());
+        let whole = KeyBitmapExpr::from_zstd(
+            column(),
+            DataType::Int64,
+            bitmap.base(),
+            bitmap.bits(),
+            &frame,
+            bitmap.keys(),
+            None,
+        )
+        .unwrap();
+        assert_eq!(whole, bitmap);
+        let ranges = [(100_000, 200_000), (5_000_000, 5_000_001)];
+        let cut = KeyBitmapExpr::from_zstd(
+            column(),
+            DataType::Int64,
+            bitmap.base(),
+            bitmap.bits(),
+            &frame,
+            bitmap.keys(),
+            Some(&ranges),
+        )
+        .unwrap();
+        let from_bytes = KeyBitmapExpr::from_parts_cut(
+            column(),
+            DataType::Int64,
+            bitmap.base(),
+            bitmap.bits(),
+            &bitmap.to_bytes(),
+            bitmap.keys(),
+            &ranges,
+        )
+        .unwrap();
+        assert_eq!(cut, from_bytes);
+        assert!(cut.is_cut() && cut.byte_len() < bitmap.byte_len() / 10);
+        let probe: ArrayRef = Arc::new(Int64Array::from_iter_values(
+            (99_000..201_000)
+                .chain(4_990_000..5_010_000)
+                .chain([3_000_001]),
+        ));
+        let matched = cut.probe(&probe).unwrap();
+        let chunk_values = (KEY_BITMAP_CHUNK_WORDS * 64) as i64;
+        for (index, value) in probe
+            .as_primitive::<Int64Type>()
+            .values()
+            .iter()
+            .enumerate()
+        {
+            let in_range = ranges.iter().any(|&(low, high)| {
+                (low / chunk_values..=high / chunk_values).contains(&(value / chunk_values))
+            });
+            let expected = if in_range { value % 3 == 0 } else { true };
+            assert_eq!(matched.value(index), expected, "{value}");
+        }
+
+        let words = |count: usize| zstd::bulk::compress(&vec![0xffu8; count * 8], 1).unwrap();
+        let word_count = bitmap.bits().div_ceil(64) as usize;
+        for (name, frame) in [
+            ("fewer words", words(word_count - 1)),
+            ("more words", words(word_count + 1)),
+            ("no frame", vec![1, 2, 3, 4, 5]),
+        ] {
+            let refused = KeyBitmapExpr::from_zstd(
+                column(),
+                DataType::Int64,
+                bitmap.base(),
+                bitmap.bits(),
+                &frame,
+                1,
+                None,
+            );
+            assert!(refused.is_err(), "{name}");
         }
     }
 

@@ -130,12 +130,18 @@ enum SieveExprKind {
     Bitmap(KeyBitmapNode),
 }
 
-/// Wire form of a [`KeyBitmapExpr`].
+/// Wire form of a [`KeyBitmapExpr`]: its words as they are (`words`) or,
+/// from [`KEY_BITMAP_ZSTD_BYTES_MIN`] bytes, as one zstd frame
+/// (`words_zstd`), which a storage node decompresses chunk by chunk into
+/// the chunks it keeps: a 75 MB bitmap of SF 100's order keys never exists
+/// whole on a node.
 #[derive(Clone, PartialEq, Message)]
 struct KeyBitmapNode {
     /// The bitmap's 64-bit words, little endian.
     #[prost(bytes = "vec", tag = "1")]
     words: Vec<u8>,
+    #[prost(bytes = "vec", tag = "5")]
+    words_zstd: Vec<u8>,
     #[prost(int64, tag = "2")]
     base: i64,
     #[prost(uint64, tag = "3")]
@@ -143,6 +149,10 @@ struct KeyBitmapNode {
     #[prost(uint64, tag = "4")]
     keys: u64,
 }
+
+/// A key bitmap of at least this many bytes travels compressed on its own
+/// ([`KeyBitmapNode`]): 1 MiB.
+pub const KEY_BITMAP_ZSTD_BYTES_MIN: usize = 1024 * 1024;
 
 /// Wire form of a [`BloomFilterExpr`].
 #[derive(Clone, PartialEq, Message)]
@@ -282,6 +292,20 @@ impl PhysicalExtensionCodec for SieveCodec {
                     let column = input.downcast_ref::<Column>()?;
                     key_ranges(column.name(), &data_type)
                 });
+                if !bitmap.words_zstd.is_empty() {
+                    if !bitmap.words.is_empty() {
+                        return plan_err!("a key bitmap has its words twice");
+                    }
+                    return Ok(Arc::new(KeyBitmapExpr::from_zstd(
+                        Arc::clone(input),
+                        data_type,
+                        bitmap.base,
+                        bitmap.bits,
+                        &bitmap.words_zstd,
+                        bitmap.keys,
+                        ranges.as_deref(),
+                    )?));
+                }
                 Ok(Arc::new(match ranges {
                     Some(ranges) => KeyBitmapExpr::from_parts_cut(
                         Arc::clone(input),
@@ -319,8 +343,14 @@ impl PhysicalExtensionCodec for SieveCodec {
                 fpp: bloom.fpp(),
             })
         } else if let Some(bitmap) = node.downcast_ref::<KeyBitmapExpr>() {
+            let (words, words_zstd) = if bitmap.byte_len() >= KEY_BITMAP_ZSTD_BYTES_MIN {
+                (Vec::new(), bitmap.to_zstd()?)
+            } else {
+                (bitmap.to_bytes(), Vec::new())
+            };
             SieveExprKind::Bitmap(KeyBitmapNode {
-                words: bitmap.to_bytes(),
+                words,
+                words_zstd,
                 base: bitmap.base(),
                 bits: bitmap.bits(),
                 keys: bitmap.keys(),

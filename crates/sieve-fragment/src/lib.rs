@@ -56,7 +56,7 @@ pub use allow_list::{
 pub use auth::{Secret, AUTHORIZATION_HEADER, SECRET_BYTES_MAX, SECRET_BYTES_MIN};
 pub use bitmap::{KeyBitmapExpr, KEY_BITMAP_BYTES_MAX, KEY_BITMAP_CHUNK_WORDS};
 pub use bloom::{BloomFilterExpr, BLOOM_FILTER_BYTES_MAX};
-pub use codec::{KeyRanges, SieveCodec, SliceInputExec};
+pub use codec::{KeyRanges, SieveCodec, SliceInputExec, KEY_BITMAP_ZSTD_BYTES_MIN};
 pub use deletions::{
     apply_deletions, decode_deletions, encode_deletions, DELETION_VECTOR_BYTES_MAX,
 };
