@@ -120,17 +120,23 @@ pub enum Mode {
     /// build budget, so its build and probe rows go to disk by key hash and
     /// are joined part by part (`SpillableHashJoinExec`).
     SpilledJoins,
+    /// `SET sieve.join_filter_keys_max = 64`: build key columns past 16
+    /// distinct keys go over to a key bitmap where their range allows
+    /// (which each storage node cuts to its slices' key ranges), the others
+    /// stop at 64 and keep only their range.
+    FewJoinKeys,
 }
 
 impl Mode {
     /// Every mode, in the order they run.
-    pub const ALL: [Mode; 6] = [
+    pub const ALL: [Mode; 7] = [
         Mode::Default,
         Mode::NoJoinFilters,
         Mode::NoAggregatePushdown,
         Mode::Raw,
         Mode::NdpOff,
         Mode::SpilledJoins,
+        Mode::FewJoinKeys,
     ];
 
     /// The mode's name on the command line.
@@ -142,6 +148,7 @@ impl Mode {
             Mode::Raw => "raw",
             Mode::NdpOff => "ndp-off",
             Mode::SpilledJoins => "spilled-joins",
+            Mode::FewJoinKeys => "few-join-keys",
         }
     }
 
@@ -165,6 +172,7 @@ impl Mode {
             Mode::Raw => "Sieve, storage nodes with --pushdown-workers 0 (every slice raw)",
             Mode::NdpOff => "Sieve, SET sieve.ndp = off",
             Mode::SpilledJoins => "Sieve, SET sieve.join_build_bytes_max = 2048, datafusion.optimizer.hash_join_single_partition_threshold = 0, datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
+            Mode::FewJoinKeys => "Sieve, SET sieve.join_filter_keys_max = 64",
         }
     }
 }
@@ -427,6 +435,9 @@ async fn start_engines(root: &Path, modes: &[Mode]) -> Result<Engines> {
                 "datafusion.optimizer.hash_join_single_partition_threshold=0".into(),
                 "datafusion.optimizer.hash_join_single_partition_threshold_rows=0".into(),
             ])?,
+            Mode::FewJoinKeys => {
+                session.apply_settings(&["sieve.join_filter_keys_max=64".into()])?
+            }
             Mode::Default | Mode::Raw => {}
         }
         sessions.push((mode, session));
