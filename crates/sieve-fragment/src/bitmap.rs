@@ -190,7 +190,8 @@ impl KeyBitmapExpr {
     /// overlap `ranges` (inclusive `(low, high)` value ranges: the keys a
     /// storage node's slices hold, by their statistics). Values in the
     /// chunks left out all pass. A node holding a third of a table's
-    /// slices, interleaved, keeps about a third of the bitmap.
+    /// slices, interleaved, keeps about a third of the bitmap. Without
+    /// `ranges`, the whole bitmap.
     pub fn from_parts_cut(
         input: Arc<dyn PhysicalExpr>,
         data_type: DataType,
@@ -198,10 +199,10 @@ impl KeyBitmapExpr {
         bits: u64,
         bytes: &[u8],
         keys: u64,
-        ranges: &[(i64, i64)],
+        ranges: Option<&[(i64, i64)]>,
     ) -> Result<Self> {
         Self::check_length(bits, bytes.len())?;
-        Self::from_reader(input, data_type, base, bits, bytes, keys, Some(ranges))
+        Self::from_reader(input, data_type, base, bits, bytes, keys, ranges)
     }
 
     /// A bitmap's words as they travel when large: one zstd frame of its
@@ -679,7 +680,7 @@ mod tests {
             bitmap.bits(),
             &bitmap.to_bytes(),
             bitmap.keys(),
-            &ranges,
+            Some(&ranges),
         )
         .unwrap();
         assert_eq!(cut, from_bytes);

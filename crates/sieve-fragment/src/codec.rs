@@ -306,25 +306,15 @@ impl PhysicalExtensionCodec for SieveCodec {
                         ranges.as_deref(),
                     )?));
                 }
-                Ok(Arc::new(match ranges {
-                    Some(ranges) => KeyBitmapExpr::from_parts_cut(
-                        Arc::clone(input),
-                        data_type,
-                        bitmap.base,
-                        bitmap.bits,
-                        &bitmap.words,
-                        bitmap.keys,
-                        &ranges,
-                    )?,
-                    None => KeyBitmapExpr::from_parts(
-                        Arc::clone(input),
-                        data_type,
-                        bitmap.base,
-                        bitmap.bits,
-                        &bitmap.words,
-                        bitmap.keys,
-                    )?,
-                }))
+                Ok(Arc::new(KeyBitmapExpr::from_parts_cut(
+                    Arc::clone(input),
+                    data_type,
+                    bitmap.base,
+                    bitmap.bits,
+                    &bitmap.words,
+                    bitmap.keys,
+                    ranges.as_deref(),
+                )?))
             }
             None => plan_err!("unknown expression in NDP fragment"),
         }

@@ -139,23 +139,6 @@ async fn keys_past_the_bound_in_a_narrow_range_filter_exactly_as_a_bitmap() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
-/// The nodes' `stats` field `key`, summed.
-async fn node_stat(cluster: &sieve_cli::cluster::EmbeddedCluster, key: &str) -> u64 {
-    let mut total = 0;
-    for url in cluster.urls() {
-        let stats = sieve_compute::StorageClient::connect(&url, Some(cluster.secret()))
-            .await
-            .unwrap()
-            .stats()
-            .await
-            .unwrap();
-        total += stats[key]
-            .as_u64()
-            .unwrap_or_else(|| panic!("{key} missing from {stats}"));
-    }
-    total
-}
-
 /// A key bitmap wider than a chunk reaches each node cut to the key ranges
 /// its slices hold: `wide_fact`'s keys run in order over 3.6 M values in
 /// slices of 300,000 values each, round-robin over the nodes; `wide_dim`'s
@@ -224,8 +207,8 @@ async fn a_wide_key_bitmap_is_cut_to_the_key_ranges_each_node_holds() {
         checked += 1;
     }
     assert!(checked >= 9, "{checked} queries");
-    let whole = node_stat(&cluster, "join_filter_bitmap_bytes").await;
-    let kept = node_stat(&cluster, "join_filter_bitmap_bytes_kept").await;
+    let whole = common::node_stats_sum(&cluster, "join_filter_bitmap_bytes").await;
+    let kept = common::node_stats_sum(&cluster, "join_filter_bitmap_bytes_kept").await;
     assert!(whole > 0, "no key bitmap was registered");
     assert!(
         kept * 2 < whole,

@@ -14,27 +14,6 @@ use crate::common;
 
 use common::NODES;
 
-/// The nodes' `stats` field `key`, summed (a list counts its entries: no
-/// copy may be reported corrupt for want of its metadata).
-async fn summed(cluster: &EmbeddedCluster, key: &str) -> u64 {
-    let mut total = 0;
-    for url in cluster.urls() {
-        let stats = sieve_compute::StorageClient::connect(&url, Some(cluster.secret()))
-            .await
-            .unwrap()
-            .stats()
-            .await
-            .unwrap();
-        total += match &stats[key] {
-            serde_json::Value::Array(entries) => entries.len() as u64,
-            value => value
-                .as_u64()
-                .unwrap_or_else(|| panic!("{key} missing from {stats}")),
-        };
-    }
-    total
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nodes_that_keep_no_slice_metadata_answer_as_plain_datafusion() {
     let root = common::small_slices(1);
@@ -50,7 +29,7 @@ async fn nodes_that_keep_no_slice_metadata_answer_as_plain_datafusion() {
             .await
             .unwrap();
         let session = cluster.session().await.unwrap();
-        let loaded_at_start = summed(&cluster, "slice_details_loads").await;
+        let loaded_at_start = common::node_stats_sum(&cluster, "slice_details_loads").await;
         assert!(loaded_at_start > 0);
         for (name, sql) in TPCH_QUERIES {
             if workers == 0 && !matches!(name, "q1" | "q3" | "q6" | "q9" | "q18") {
@@ -68,10 +47,14 @@ async fn nodes_that_keep_no_slice_metadata_answer_as_plain_datafusion() {
             );
         }
         // Nothing kept, so every slice request read its footer again.
-        assert_eq!(summed(&cluster, "slice_details_bytes").await, 0);
-        assert_eq!(summed(&cluster, "corrupt_slices").await, 0);
+        assert_eq!(
+            common::node_stats_sum(&cluster, "slice_details_bytes").await,
+            0
+        );
+        assert_eq!(common::node_stats_sum(&cluster, "corrupt_slices").await, 0);
         let (raw, served) = cluster.slices_raw_and_served();
-        let reloaded = summed(&cluster, "slice_details_loads").await - loaded_at_start;
+        let reloaded =
+            common::node_stats_sum(&cluster, "slice_details_loads").await - loaded_at_start;
         assert!(
             reloaded >= raw.max(served) && reloaded > 0,
             "workers {workers}: {reloaded} reloads for {raw} raw and {served} served slices"

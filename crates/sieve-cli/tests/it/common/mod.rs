@@ -329,3 +329,27 @@ pub(crate) fn empty_root(name: &str, nodes: usize) -> PathBuf {
     }
     root
 }
+
+/// The storage nodes' `stats` field `key`, summed over `cluster`'s nodes (a
+/// list counts its entries).
+pub(crate) async fn node_stats_sum(
+    cluster: &sieve_cli::cluster::EmbeddedCluster,
+    key: &str,
+) -> u64 {
+    let mut total = 0;
+    for url in cluster.urls() {
+        let stats = sieve_compute::StorageClient::connect(&url, Some(cluster.secret()))
+            .await
+            .unwrap()
+            .stats()
+            .await
+            .unwrap();
+        total += match &stats[key] {
+            serde_json::Value::Array(entries) => entries.len() as u64,
+            value => value
+                .as_u64()
+                .unwrap_or_else(|| panic!("{key} missing from {stats}")),
+        };
+    }
+    total
+}
