@@ -59,6 +59,46 @@ pub struct ClusterTable {
     pub pin: Option<crate::tables::VersionPin>,
 }
 
+impl ClusterTable {
+    /// Columns whose values are unique over the table and never NULL,
+    /// proven from the slices' summaries: in every slice the column has no
+    /// NULL and as many distinct values as rows (counted by 64-bit hashes
+    /// as the slice was written: equal counts mean no two values are
+    /// equal), and the slices' integer ranges do not overlap. Deleted rows
+    /// only remove values. Integer columns only; a slice without these
+    /// statistics proves nothing.
+    pub fn unique_columns(&self) -> Vec<usize> {
+        (0..self.schema.fields().len())
+            .filter(|&column| {
+                self.schema.field(column).data_type().is_integer() && self.is_unique(column)
+            })
+            .collect()
+    }
+
+    fn is_unique(&self, column: usize) -> bool {
+        let mut ranges = Vec::with_capacity(self.slices.len());
+        for slice in &self.slices {
+            let summary = &slice.summary;
+            if summary.rows == 0 {
+                continue;
+            }
+            let Some(stats) = summary.columns.get(column) else {
+                return false;
+            };
+            if stats.null_count != Some(0) || stats.distinct_count != Some(summary.rows) {
+                return false;
+            }
+            let bound = |text: &Option<String>| text.as_deref()?.trim().parse::<i128>().ok();
+            let (Some(min), Some(max)) = (bound(&stats.min), bound(&stats.max)) else {
+                return false;
+            };
+            ranges.push((min, max));
+        }
+        ranges.sort_unstable();
+        ranges.windows(2).all(|pair| pair[0].1 < pair[1].0)
+    }
+}
+
 /// Every table of every storage node, and a client per node.
 #[derive(Debug, Clone)]
 pub struct ClusterCatalog {
@@ -567,5 +607,89 @@ pub(crate) fn table_statistics(schema: &SchemaRef, slices: &[ClusterSlice]) -> S
         num_rows: Precision::Exact(rows as usize),
         total_byte_size: Precision::Inexact(bytes as usize),
         column_statistics,
+    }
+}
+
+#[cfg(test)]
+mod unique_tests {
+    use std::sync::Arc;
+
+    use arrow::datatypes::{DataType, Field, Schema};
+    use sieve_format::ColumnSummary;
+
+    use super::*;
+
+    /// A slice of `rows` rows whose column `k` has the given statistics.
+    fn slice(
+        number: u32,
+        rows: u64,
+        (min, max): (i64, i64),
+        nulls: u64,
+        distinct: Option<u64>,
+    ) -> ClusterSlice {
+        let column = |name: &str| ColumnSummary {
+            name: name.to_string(),
+            min: Some(min.to_string()),
+            max: Some(max.to_string()),
+            null_count: Some(nulls),
+            distinct_count: distinct,
+            uncompressed_bytes: None,
+        };
+        ClusterSlice {
+            summary: SliceSummary {
+                table: "t".to_string(),
+                slice: number,
+                rows,
+                bytes: 0,
+                row_groups: 1,
+                pages: 1,
+                columns: vec![column("k"), column("s")],
+                file: String::new(),
+                table_slices: None,
+                row_group_rows: vec![],
+            },
+            node: 0,
+            range_url: String::new(),
+            replicas: vec![0],
+            deleted: None,
+        }
+    }
+
+    fn unique(slices: Vec<ClusterSlice>) -> Vec<usize> {
+        ClusterTable {
+            name: "t".to_string(),
+            schema: Arc::new(Schema::new(vec![
+                Field::new("k", DataType::Int64, true),
+                Field::new("s", DataType::Utf8, true),
+            ])),
+            slices,
+            statistics: Statistics::new_unknown(&Schema::empty()),
+            pin: None,
+        }
+        .unique_columns()
+    }
+
+    #[test]
+    fn a_column_is_unique_only_when_every_slice_proves_it() {
+        let ok = |n, range| slice(n, 100, range, 0, Some(100));
+        // Disjoint ranges, in any order; an empty slice proves nothing
+        // either way; strings are never keys.
+        assert_eq!(unique(vec![ok(1, (100, 199)), ok(0, (0, 99))]), vec![0]);
+        assert_eq!(
+            unique(vec![ok(0, (0, 99)), slice(1, 0, (0, 0), 0, None)]),
+            vec![0]
+        );
+        assert_eq!(unique(vec![]), vec![0]);
+        // Ranges that touch or overlap: a value may be in both.
+        assert!(unique(vec![ok(0, (0, 99)), ok(1, (99, 198))]).is_empty());
+        assert!(unique(vec![ok(0, (0, 99)), ok(1, (50, 500))]).is_empty());
+        // A repeated value, a NULL, or no distinct count.
+        assert!(unique(vec![ok(0, (0, 99)), slice(1, 100, (100, 300), 0, Some(99))]).is_empty());
+        assert!(unique(vec![
+            ok(0, (0, 99)),
+            slice(1, 100, (100, 300), 1, Some(100))
+        ])
+        .is_empty());
+        assert!(unique(vec![ok(0, (0, 99)), slice(1, 100, (100, 300), 0, None)]).is_empty());
     }
 }

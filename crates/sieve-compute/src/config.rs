@@ -60,6 +60,10 @@ extensions_options! {
         /// cut by join filters to fewer rows: the scan then takes this
         /// join's filter (TPC-H Q9's orders).
         pub swap_join_sides: bool, default = true
+        /// Group by a table's unique key alone where a grouping also takes
+        /// columns of that table of variable width, and join those columns
+        /// back after the aggregation (TPC-H Q10's customer strings).
+        pub late_group_columns: bool, default = true
         /// Also filter a scan by the keys of an inner join further up whose
         /// probe key reaches the scan only through other inner joins (TPC-H
         /// Q5's supplier join and its lineitem scan).

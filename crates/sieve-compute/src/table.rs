@@ -43,6 +43,8 @@ pub struct SieveTable {
     table: Arc<ClusterTable>,
     catalog: Arc<ClusterCatalog>,
     traffic: Arc<Traffic>,
+    /// The table's unique, never-NULL columns, proven once when first asked.
+    unique: std::sync::OnceLock<Vec<usize>>,
 }
 
 impl SieveTable {
@@ -56,7 +58,14 @@ impl SieveTable {
             table,
             catalog,
             traffic,
+            unique: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Columns unique over the slices this provider reads and never NULL
+    /// ([`ClusterTable::unique_columns`]).
+    pub fn unique_columns(&self) -> &[usize] {
+        self.unique.get_or_init(|| self.table.unique_columns())
     }
 
     fn scan_off(
@@ -248,6 +257,18 @@ impl TableProvider for SieveTable {
             Some(_) => finish_scan(scan, &needed, &projection, residual),
         }
     }
+}
+
+/// Unique, never-NULL columns of `provider` if it is one of Sieve's tables
+/// (discovered or owned), at the version it reads; none otherwise.
+pub(crate) fn unique_columns_of(provider: &dyn TableProvider) -> Vec<usize> {
+    if let Some(table) = provider.downcast_ref::<SieveTable>() {
+        return table.unique_columns().to_vec();
+    }
+    if let Some(table) = provider.downcast_ref::<crate::tables::OwnedTable>() {
+        return table.reader().unique_columns().to_vec();
+    }
+    vec![]
 }
 
 type Conjuncts = Vec<Arc<dyn PhysicalExpr>>;

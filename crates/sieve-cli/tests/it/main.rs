@@ -33,6 +33,7 @@ mod integrity;
 mod join_filter_registry;
 mod join_sides;
 mod key_bitmaps;
+mod late_columns;
 mod memory_bound;
 mod null_joins;
 mod owned_random;

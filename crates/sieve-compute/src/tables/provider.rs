@@ -89,6 +89,11 @@ impl OwnedTable {
         }))
     }
 
+    /// The provider that reads the table's slices at this version.
+    pub fn reader(&self) -> &SieveTable {
+        &self.read
+    }
+
     /// The version this provider reads.
     pub fn version(&self) -> u64 {
         self.snapshot.version
