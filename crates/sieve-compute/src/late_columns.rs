@@ -75,14 +75,20 @@ impl OptimizerRule for JoinGroupColumnsLate {
         }
         let rewritten = match &plan {
             LogicalPlan::Aggregate(aggregate) => {
-                rewrite_aggregate(aggregate, || config.alias_generator().next(LATE_PREFIX))?
+                rewrite_aggregate(aggregate, || config.alias_generator().next(LATE_PREFIX))
             }
-            LogicalPlan::Sort(sort) => push_top_rows(sort)?,
-            _ => None,
+            LogicalPlan::Sort(sort) => push_top_rows(sort),
+            _ => Ok(None),
         };
+        // A plan this rule cannot rebuild is planned as it was: the rule
+        // is an optimization, never a reason for a query to fail.
         match rewritten {
-            Some(rewritten) => Ok(Transformed::yes(rewritten)),
-            None => Ok(Transformed::no(plan)),
+            Ok(Some(rewritten)) => Ok(Transformed::yes(rewritten)),
+            Ok(None) => Ok(Transformed::no(plan)),
+            Err(error) => {
+                log::debug!("{}: plan kept as it was: {error}", self.name());
+                Ok(Transformed::no(plan))
+            }
         }
     }
 }
