@@ -211,7 +211,9 @@ fn variable_width(data_type: &DataType) -> bool {
 struct Candidate {
     traced: Traced,
     key: usize,
+    /// Grouping expressions moved, and each one's column in the table.
     moved: Vec<usize>,
+    moved_columns: Vec<usize>,
 }
 
 fn rewrite_aggregate(
@@ -251,18 +253,17 @@ fn rewrite_aggregate(
         if !unique_columns(&key_traced.scan).contains(&key_traced.table_column) {
             continue;
         }
-        let moved: Vec<usize> = traced
+        let (moved, moved_columns): (Vec<usize>, Vec<usize>) = traced
             .iter()
             .enumerate()
-            .filter(|(index, other)| {
-                *index != key
-                    && other.as_ref().is_some_and(|other| {
-                        other.path == key_traced.path
-                            && other.table_column != key_traced.table_column
-                    })
+            .filter_map(|(index, other)| {
+                let other = other.as_ref()?;
+                (index != key
+                    && other.path == key_traced.path
+                    && other.table_column != key_traced.table_column)
+                    .then_some((index, other.table_column))
             })
-            .map(|(index, _)| index)
-            .collect();
+            .unzip();
         let widths = moved
             .iter()
             .filter(|&&index| variable_width(aggregate.schema.field(index).data_type()))
@@ -278,6 +279,7 @@ fn rewrite_aggregate(
                 traced: key_traced.clone(),
                 key,
                 moved,
+                moved_columns,
             });
         }
     }
@@ -302,19 +304,8 @@ fn build(aggregate: &Aggregate, candidate: &Candidate, alias: &str) -> Result<Lo
     let scan = &candidate.traced.scan;
     let table_schema = scan.source.schema();
     let mut projection = vec![candidate.traced.table_column];
-    let moved_columns: Vec<usize> = candidate
-        .moved
-        .iter()
-        .map(|&index| {
-            let Expr::Column(column) = &groups[index] else {
-                unreachable!("only columns are traced")
-            };
-            let at = aggregate.input.schema().index_of_column(column)?;
-            let traced = trace(&aggregate.input, at, &mut vec![], false).expect("traced before");
-            Ok(traced.table_column)
-        })
-        .collect::<Result<_>>()?;
-    for &column in &moved_columns {
+    let moved_columns = &candidate.moved_columns;
+    for &column in moved_columns {
         if !projection.contains(&column) {
             projection.push(column);
         }

@@ -10,8 +10,6 @@ use arrow::array::{ArrayRef, Int64Array, StringArray};
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow::record_batch::RecordBatch;
 use datafusion::prelude::SessionContext;
-use sieve_cli::compare::{rows_as_text, run};
-use sieve_compute::SieveSession;
 
 use crate::common::{self, NODES};
 use crate::join_sides::check;
@@ -116,13 +114,6 @@ const QUERIES: &[&str] = &[
      WHERE o.amount > 990 GROUP BY c.k, c.name",
 ];
 
-async fn logical_plan(session: &SieveSession, sql: &str) -> String {
-    let batches = run(&session.context, &format!("EXPLAIN {sql}"))
-        .await
-        .unwrap();
-    rows_as_text(&batches, false).unwrap().join("\n")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn group_columns_a_unique_key_decides_are_joined_after_the_aggregation() {
     let root = common::empty_root("late-columns", NODES);
@@ -154,7 +145,7 @@ async fn group_columns_a_unique_key_decides_are_joined_after_the_aggregation() {
             for (index, template) in QUERIES.iter().enumerate() {
                 let sql = template.replace("{c}", table);
                 check(&session, &reference, &sql, "ord").await;
-                let plan = logical_plan(&session, &sql).await;
+                let plan = common::explain(&session.context, &sql).await;
                 // Every query is rewritten where the key is unique.
                 let rewritten = plan.contains("__sieve_late");
                 assert_eq!(
@@ -171,7 +162,7 @@ async fn group_columns_a_unique_key_decides_are_joined_after_the_aggregation() {
         .sql("SET sieve.late_group_columns = true")
         .await
         .unwrap();
-    let plan = logical_plan(&session, &QUERIES[0].replace("{c}", "cust")).await;
+    let plan = common::explain(&session.context, &QUERIES[0].replace("{c}", "cust")).await;
     let aggregate = plan
         .lines()
         .find(|line| line.contains("Aggregate: groupBy="))
