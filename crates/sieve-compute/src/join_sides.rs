@@ -20,6 +20,15 @@
 //!   a build side is filtered ([`estimated_rows`]), and the probe rows so
 //!   estimated are fewer than the build's.
 //!
+//! It also swaps an inner hash join (collect-left or partitioned) whose
+//! build input is a chain of joins over a larger table and whose probe
+//! input is one filtered scan estimated to fewer rows: SSB's Q4.x join
+//! `part` last, and DataFusion, without statistics for a join's output,
+//! builds from the joins over `lineorder` and probes with `part`. Built on
+//! `part`, every join of the chain has `lineorder` on its probe side: the
+//! fact scan takes `part`'s join filter too, and the star join
+//! ([`crate::PushStarJoinToStorage`]) takes the whole chain.
+//!
 //! It runs right after `JoinSelection`, before DataFusion creates the
 //! join's dynamic filter and links it to the new probe scan
 //! (`FilterPushdown::new_post_optimization`). `sieve.swap_join_sides`
@@ -60,12 +69,16 @@ impl PhysicalOptimizerRule for BuildOnFilteredSide {
             let Some(join) = node.downcast_ref::<HashJoinExec>() else {
                 return Ok(Transformed::no(node));
             };
-            if !should_swap(join) {
+            let mode = if should_swap(join) {
+                PartitionMode::Partitioned
+            } else if should_build_on_dimension(join) {
+                *join.partition_mode()
+            } else {
                 return Ok(Transformed::no(node));
-            }
+            };
             // Refused only where a dynamic filter already exists (the rule
             // placed after DataFusion links them): the join stays as it is.
-            match join.swap_inputs(PartitionMode::Partitioned) {
+            match join.swap_inputs(mode) {
                 Ok(swapped) => Ok(Transformed::yes(swapped)),
                 Err(_) => Ok(Transformed::no(node)),
             }
@@ -96,6 +109,33 @@ fn should_swap(join: &HashJoinExec) -> bool {
         Some(Estimate { rows, cut: true }) => rows < build_rows as f64,
         _ => false,
     }
+}
+
+/// An inner join built from a chain of joins and probed by one filtered
+/// scan estimated to fewer rows than the chain yields (see the module
+/// documentation).
+fn should_build_on_dimension(join: &HashJoinExec) -> bool {
+    if *join.join_type() != JoinType::Inner
+        || !matches!(
+            join.partition_mode(),
+            PartitionMode::CollectLeft | PartitionMode::Partitioned
+        )
+        || join.filter().is_some()
+        || !join.dynamic_expressions_produced().is_empty()
+        || !has_join(join.left())
+        || has_join(join.right())
+    {
+        return false;
+    }
+    match (estimated_rows(join.left()), estimated_rows(join.right())) {
+        (Some(build), Some(Estimate { rows, cut: true })) => rows < build.rows,
+        _ => false,
+    }
+}
+
+/// Whether a hash join is in `plan`.
+fn has_join(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    plan.downcast_ref::<HashJoinExec>().is_some() || plan.children().into_iter().any(has_join)
 }
 
 /// The exact rows of a scan with nothing pushed, under projections only.
