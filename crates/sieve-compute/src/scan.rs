@@ -1360,21 +1360,6 @@ impl SieveScanExec {
                                                 "star join: {build_rows} build rows ({build_bytes} bytes) in a {}-byte fragment",
                                                 body.len()
                                             ));
-                                            // Sent once per node, named
-                                            // in each request.
-                                            if body.len() > BODY_INLINE_BYTES_MAX {
-                                                let (registered, note) = register_body(
-                                                    &catalog,
-                                                    &traffic,
-                                                    &table.name,
-                                                    &body,
-                                                    &registration_nodes,
-                                                    registration_timeout,
-                                                )
-                                                .await;
-                                                registered_body = registered;
-                                                descriptions_first.push(note);
-                                            }
                                             body
                                         }
                                         // The build rows do not fit a
@@ -1396,6 +1381,23 @@ impl SieveScanExec {
                                             body
                                         }
                                     };
+                                    // Sent once per node, named in each
+                                    // request: the star join's fragment,
+                                    // or the fallback's (its key ranges and
+                                    // bitmaps alone may be large).
+                                    if body.len() > BODY_INLINE_BYTES_MAX {
+                                        let (registered, note) = register_body(
+                                            &catalog,
+                                            &traffic,
+                                            &table.name,
+                                            &body,
+                                            &registration_nodes,
+                                            registration_timeout,
+                                        )
+                                        .await;
+                                        registered_body = registered;
+                                        descriptions_first.push(note);
+                                    }
                                     (Arc::new(body), predicate)
                                 }
                             };
