@@ -238,11 +238,11 @@ enum Command {
         data: Option<PathBuf>,
         /// Sieve modes to compare with plain DataFusion: default,
         /// no-join-filters, no-aggregate-pushdown, raw, ndp-off,
-        /// spilled-joins, few-join-keys.
+        /// spilled-joins, few-join-keys, star-joins.
         #[arg(
             long,
             value_delimiter = ',',
-            default_value = "default,no-join-filters,no-aggregate-pushdown,raw,ndp-off,spilled-joins,few-join-keys"
+            default_value = "default,no-join-filters,no-aggregate-pushdown,raw,ndp-off,spilled-joins,few-join-keys,star-joins"
         )]
         modes: Vec<String>,
         /// Only this schema index (to reproduce a mismatch).

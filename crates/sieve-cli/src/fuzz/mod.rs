@@ -125,11 +125,15 @@ pub enum Mode {
     /// (which each storage node cuts to its slices' key ranges), the others
     /// stop at 64 and keep only their range.
     FewJoinKeys,
+    /// `SET sieve.star_join_build_rows_share = 100`: star joins pushed
+    /// whatever their build sides' rows against the probe table's per
+    /// slice (the default keeps most of the fuzzer's small tables out).
+    StarJoins,
 }
 
 impl Mode {
     /// Every mode, in the order they run.
-    pub const ALL: [Mode; 7] = [
+    pub const ALL: [Mode; 8] = [
         Mode::Default,
         Mode::NoJoinFilters,
         Mode::NoAggregatePushdown,
@@ -137,6 +141,7 @@ impl Mode {
         Mode::NdpOff,
         Mode::SpilledJoins,
         Mode::FewJoinKeys,
+        Mode::StarJoins,
     ];
 
     /// The mode's name on the command line.
@@ -149,6 +154,7 @@ impl Mode {
             Mode::NdpOff => "ndp-off",
             Mode::SpilledJoins => "spilled-joins",
             Mode::FewJoinKeys => "few-join-keys",
+            Mode::StarJoins => "star-joins",
         }
     }
 
@@ -173,6 +179,7 @@ impl Mode {
             Mode::NdpOff => "Sieve, SET sieve.ndp = off",
             Mode::SpilledJoins => "Sieve, SET sieve.join_build_bytes_max = 2048, datafusion.optimizer.hash_join_single_partition_threshold = 0, datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
             Mode::FewJoinKeys => "Sieve, SET sieve.join_filter_keys_max = 64",
+            Mode::StarJoins => "Sieve, SET sieve.star_join_build_rows_share = 100",
         }
     }
 }
@@ -306,7 +313,22 @@ pub struct FuzzReport {
     /// catalog's), of all schemas run; the others were slice files placed
     /// in the node directories.
     pub schemas_through_catalog: (usize, usize),
+    /// Compared queries whose plan took each of Sieve's rewrites (by its
+    /// EXPLAIN marker, [`PLAN_FEATURES`]), by mode: what the comparisons
+    /// exercised.
+    pub plan_features: BTreeMap<&'static str, BTreeMap<Mode, usize>>,
 }
+
+/// Sieve's plan rewrites the fuzz report counts, each with the text its
+/// EXPLAIN shows for it.
+pub const PLAN_FEATURES: [(&str, &str); 6] = [
+    ("pushed filter", "pushed filter:"),
+    ("pushed aggregate", "pushed aggregate:"),
+    ("join filter", "join filter from"),
+    ("star join", "pushed join: dimension(s)"),
+    ("spillable join", "SpillableHashJoinExec"),
+    ("late group columns", "__sieve_late"),
+];
 
 impl FuzzReport {
     /// A few lines: counts by shape and mode, plan failures, mismatches.
@@ -345,6 +367,22 @@ impl FuzzReport {
             })
             .collect();
         let _ = writeln!(text, "comparisons by mode: {}", modes.join(", "));
+        let _ = writeln!(text, "queries whose plan took, by mode:");
+        for (name, _) in PLAN_FEATURES {
+            let modes: Vec<String> = self
+                .plan_features
+                .get(name)
+                .into_iter()
+                .flatten()
+                .map(|(mode, count)| format!("{} {count}", mode.name()))
+                .collect();
+            let modes = if modes.is_empty() {
+                "none".to_string()
+            } else {
+                modes.join(", ")
+            };
+            let _ = writeln!(text, "  {name}: {modes}");
+        }
         let _ = writeln!(
             text,
             "{} comparison(s), {} where both engines failed (agreement), {} mismatch(es)",
@@ -438,6 +476,9 @@ async fn start_engines(root: &Path, modes: &[Mode]) -> Result<Engines> {
             Mode::FewJoinKeys => {
                 session.apply_settings(&["sieve.join_filter_keys_max=64".into()])?
             }
+            Mode::StarJoins => {
+                session.apply_settings(&["sieve.star_join_build_rows_share=100".into()])?
+            }
             Mode::Default | Mode::Raw => {}
         }
         sessions.push((mode, session));
@@ -515,6 +556,27 @@ async fn run_schema(
                 Err(error)
             }
         };
+        for (mode, session) in &engines.sessions {
+            // A raw node's plan is the default's; NDP off has no Sieve scans.
+            if matches!(mode, Mode::Raw | Mode::NdpOff) {
+                continue;
+            }
+            if let Outcome::Rows(batches) =
+                run_query(&session.context, &format!("EXPLAIN {}", query.sql)).await
+            {
+                let plan = crate::compare::rows_as_text(&batches, false)?.join("\n");
+                for (name, marker) in PLAN_FEATURES {
+                    if plan.contains(marker) {
+                        *report
+                            .plan_features
+                            .entry(name)
+                            .or_default()
+                            .entry(*mode)
+                            .or_insert(0) += 1;
+                    }
+                }
+            }
+        }
         for (mode, session) in &engines.sessions {
             report.comparisons += 1;
             *report.comparisons_by_mode.entry(*mode).or_insert(0) += 1;

@@ -63,6 +63,10 @@ pub enum QueryShape {
     JoinAggregate,
     /// A chain of three tables.
     ThreeWayJoin,
+    /// A star join: the largest table joined on equal keys to one or two
+    /// filtered tables, aggregated by their columns (what Sieve may push
+    /// to its storage nodes whole).
+    StarAggregate,
     /// `EXISTS`, `NOT EXISTS`, `IN (subquery)`, `NOT IN (subquery)`.
     SemiAntiJoin,
     /// `UNION`, `INTERSECT`, `EXCEPT`, with or without `ALL`.
@@ -214,6 +218,7 @@ impl<'schema> QueryGenerator<'schema> {
             (QueryShape::Join, 14),
             (QueryShape::JoinAggregate, 8),
             (QueryShape::ThreeWayJoin, 3),
+            (QueryShape::StarAggregate, 5),
             (QueryShape::SemiAntiJoin, 10),
             (QueryShape::SetOperation, 8),
             (QueryShape::ScalarSubquery, 5),
@@ -230,6 +235,7 @@ impl<'schema> QueryGenerator<'schema> {
             QueryShape::Join => self.join(),
             QueryShape::JoinAggregate => self.join_aggregate(),
             QueryShape::ThreeWayJoin => self.three_way_join(),
+            QueryShape::StarAggregate => self.star_aggregate(),
             QueryShape::SemiAntiJoin => self.semi_anti_join(),
             QueryShape::SetOperation => self.set_operation(),
             QueryShape::ScalarSubquery => self.scalar_subquery(),
@@ -1090,22 +1096,7 @@ impl<'schema> QueryGenerator<'schema> {
         let second_key = *self.random.pick(&Self::key_columns(&second_scope));
         let third_key = *self.random.pick(&Self::key_columns(&third_scope));
         // Bound the third table by its key's largest multiplicity.
-        let third_key_rows_max = third
-            .key_values
-            .get(&third_key.spec.name)
-            .map(|values| {
-                let mut counts: HashMap<Option<i64>, usize> = HashMap::new();
-                for value in values.iter().flatten() {
-                    *counts.entry(Some(*value)).or_insert(0) += 1;
-                }
-                counts.values().copied().max().unwrap_or(0)
-            })
-            .unwrap_or(0);
-        let third_rows = if third_key_rows_max > 8 {
-            third.spec.rows() * 8 / third_key_rows_max
-        } else {
-            third.spec.rows()
-        };
+        let third_rows = Self::rows_with_few_per_key(third, &third_key);
         let join_type = *self.random.pick(&["JOIN", "LEFT JOIN", "JOIN"]);
         let mut scope = Self::columns(first, ALIASES[0]);
         scope.extend(second_scope);
@@ -1130,6 +1121,99 @@ impl<'schema> QueryGenerator<'schema> {
             self.where_clause(&scope, 50)
         );
         query(sql, QueryShape::ThreeWayJoin, false, approximate)
+    }
+
+    /// Rows of `table` (its first ones, by id) such that no value of `key`
+    /// repeats more than 8 times, about.
+    fn rows_with_few_per_key(table: &FuzzTable, key: &Column<'_>) -> usize {
+        let key_rows_max = table
+            .key_values
+            .get(&key.spec.name)
+            .map(|values| {
+                let mut counts: HashMap<Option<i64>, usize> = HashMap::new();
+                for value in values.iter().flatten() {
+                    *counts.entry(Some(*value)).or_insert(0) += 1;
+                }
+                counts.values().copied().max().unwrap_or(0)
+            })
+            .unwrap_or(0);
+        if key_rows_max > 8 {
+            table.spec.rows() * 8 / key_rows_max
+        } else {
+            table.spec.rows()
+        }
+    }
+
+    fn star_aggregate(&mut self) -> FuzzQuery {
+        let fact = self
+            .schema
+            .tables
+            .iter()
+            .max_by_key(|table| table.spec.rows())
+            .expect("a schema has tables");
+        let fact_scope = Self::columns(fact, ALIASES[0]);
+        let fact_keys = Self::key_columns(&fact_scope);
+        let mut joins = String::new();
+        let mut dimension_scope = Vec::new();
+        let mut conditions = Vec::new();
+        let mut fact_rows = fact.spec.rows();
+        for alias in &ALIASES[1..=1 + self.random.below(2)] {
+            let dimension = self.table();
+            let scope = Self::columns(dimension, alias);
+            let dimension_key = *self.random.pick(&Self::key_columns(&scope));
+            let fact_key = *self.random.pick(&fact_keys);
+            let rows = Self::rows_with_few_per_key(dimension, &dimension_key);
+            // The fact's rows cut so that its join with the first
+            // dimension stays within bounds (the second multiplies by 8 at
+            // most).
+            let estimate = Self::join_rows_estimate(&fact_key, &dimension_key, false);
+            if joins.is_empty() && estimate > JOIN_ROWS_MAX {
+                fact_rows = (fact_rows * JOIN_ROWS_MAX / estimate).max(1);
+            }
+            let _ = write!(
+                joins,
+                " JOIN {} ON {} = {}",
+                Self::from_item(dimension, alias, rows),
+                fact_key.sql(),
+                dimension_key.sql()
+            );
+            if self.random.percent(75) {
+                conditions.push(self.predicate(&scope, 1));
+            }
+            dimension_scope.extend(scope);
+        }
+        if self.random.percent(30) {
+            conditions.push(self.predicate(&fact_scope, 1));
+        }
+        let groups = if self.random.percent(85) {
+            self.grouping(&dimension_scope)
+        } else {
+            vec![]
+        };
+        let count = 1 + self.random.below(3);
+        let aggregates: Vec<Output> = (0..count)
+            .map(|_| self.aggregate_call(&fact_scope))
+            .collect();
+        let mut outputs: Vec<String> = groups.clone();
+        let mut approximate = Vec::new();
+        for aggregate in &aggregates {
+            if aggregate.approximate {
+                approximate.push(outputs.len());
+            }
+            outputs.push(aggregate.sql.clone());
+        }
+        let mut sql = format!(
+            "SELECT {} FROM {}{joins}",
+            select_list(&outputs),
+            Self::from_item(fact, ALIASES[0], fact_rows)
+        );
+        if !conditions.is_empty() {
+            let _ = write!(sql, " WHERE {}", conditions.join(" AND "));
+        }
+        if !groups.is_empty() {
+            let _ = write!(sql, " GROUP BY {}", groups.join(", "));
+        }
+        query(sql, QueryShape::StarAggregate, false, approximate)
     }
 
     fn semi_anti_join(&mut self) -> FuzzQuery {
