@@ -46,6 +46,11 @@ extensions_options! {
         /// the nodes spend no CPU decoding and re-encoding, and the link
         /// carries the compressed pages.
         pub plain_scans_as_stored: bool, default = true
+        /// Read a table's sorted copy (`CREATE TABLE ... WITH (copy_of =
+        /// ...)`) instead of the table where, from the slices' min/max and
+        /// the query's predicate and join filters, fewer of its rows may
+        /// match.
+        pub sorted_copies: bool, default = true
         /// Push a star join only if its build sides' rows are at most this
         /// share of the probe table's mean rows per slice: every slice
         /// builds the hash tables again, and past it a join filter does

@@ -30,6 +30,7 @@ mod catalog;
 mod checked_reader;
 mod client;
 mod config;
+pub mod copies;
 mod deep;
 mod early_start;
 mod estimate;

@@ -47,6 +47,7 @@ use sieve_fragment::{
 
 use crate::build_keys::BuildKeys;
 use crate::client::{SlicePart, StorageClient};
+use crate::copies::{Reading, TableCopy};
 use crate::early_start::{buffer_ahead, EarlySlots};
 use crate::estimate::filtered_statistics;
 use crate::failover::{request_slice, FailoverSettings, SliceRequests};
@@ -111,8 +112,22 @@ pub struct SieveScanExec {
     /// Partition streams started with the query (`early_start.rs`), taken
     /// by `execute`.
     early: EarlySlots,
+    /// The table as a whole and its sorted copies, judged again when join
+    /// filters resolve ([`crate::copies`]); with what planning chose.
+    choice: Option<Arc<ScanChoice>>,
     properties: Arc<PlanProperties>,
     metrics: ExecutionPlanMetricsSet,
+}
+
+/// What a scan may read: its table's slices or a sorted copy's.
+#[derive(Debug)]
+pub struct ScanChoice {
+    /// The table, every slice.
+    pub table: Arc<ClusterTable>,
+    /// Its current sorted copies.
+    pub copies: Vec<TableCopy>,
+    /// What planning chose from the query's own predicate, for EXPLAIN.
+    pub planned: String,
 }
 
 /// The scan's parallelism on three levels (Taurus VI), as metrics:
@@ -260,9 +275,19 @@ impl SieveScanExec {
             failover,
             parallelism: Arc::new(OnceLock::new()),
             early: EarlySlots::default(),
+            choice: None,
             properties: properties(schema, partitions),
             metrics: ExecutionPlanMetricsSet::new(),
         })
+    }
+
+    /// This scan, reading the slices of `choice`'s planned pick (already
+    /// its table), judging `choice` again when its join filters resolve.
+    pub fn with_choice(self, choice: ScanChoice) -> Self {
+        Self {
+            choice: Some(Arc::new(choice)),
+            ..self
+        }
     }
 
     /// Whether the fragment only reads columns (no filter, aggregation or
@@ -302,6 +327,7 @@ impl SieveScanExec {
             failover: self.failover,
             parallelism: Arc::new(OnceLock::new()),
             early: EarlySlots::default(),
+            choice: self.choice.clone(),
             properties: Arc::clone(&self.properties),
             metrics: ExecutionPlanMetricsSet::new(),
         }
@@ -553,14 +579,7 @@ impl SieveScanExec {
     /// Nodes holding a copy of a slice this scan asks for: where its join
     /// filters are registered.
     fn registration_nodes(&self) -> Vec<usize> {
-        let mut nodes: Vec<usize> = self
-            .units
-            .iter()
-            .flat_map(|unit| unit.slice.replicas.iter().copied())
-            .collect();
-        nodes.sort_unstable();
-        nodes.dedup();
-        nodes
+        nodes_of(&self.units)
     }
 
     /// Whether the scan's requests wait for a join's build side.
@@ -715,6 +734,9 @@ struct ResolvedBody {
     /// The body, registered on the nodes that took it: requests name it
     /// instead of carrying it.
     registered_body: Option<Arc<RegisteredBody>>,
+    /// What the scan reads, judged with its join filters: requests go to
+    /// these units instead of the planned ones.
+    reading: Option<Arc<(Reading, Vec<WorkUnit>)>>,
 }
 
 /// Largest fragment body sent inside every slice request; a larger one (a
@@ -851,6 +873,17 @@ impl Drop for RegisteredJoinFilter {
     }
 }
 
+/// Nodes holding a copy of a slice of `units`.
+fn nodes_of(units: &[WorkUnit]) -> Vec<usize> {
+    let mut nodes: Vec<usize> = units
+        .iter()
+        .flat_map(|unit| unit.slice.replicas.iter().copied())
+        .collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    nodes
+}
+
 /// One slice request: a slice, or some of its row groups.
 #[derive(Debug, Clone)]
 struct WorkUnit {
@@ -970,6 +1003,11 @@ impl DisplayAs for SieveScanExec {
         }
         if let Some(note) = &self.aggregate_note {
             write!(formatter, ", aggregate not pushed: {note}")?;
+        }
+        if let Some(choice) = &self.choice {
+            if !choice.planned.is_empty() {
+                write!(formatter, ", {}", choice.planned)?;
+            }
         }
         if self.nothing_to_push() && self.join_filters.is_empty() && self.key_filters.is_empty() {
             write!(formatter, ", pages as stored (nothing to push)")?;
@@ -1288,6 +1326,9 @@ impl SieveScanExec {
             .collect();
         let waits = self.waits_for_join_filters();
         let star_join = self.star_join.clone();
+        // A complete aggregation's slices were proven to hold whole groups
+        // of the slices planned: the scan keeps to them.
+        let choice = self.choice.clone().filter(|_| !self.aggregate_complete);
         let build_context = Arc::clone(&context);
         let local_context = Arc::clone(&context);
         let registration_nodes = self.registration_nodes();
@@ -1302,6 +1343,7 @@ impl SieveScanExec {
                         join_filter: None,
                         local: None,
                         registered_body: None,
+                        reading: None,
                     })
                 };
                 if !waits {
@@ -1315,7 +1357,7 @@ impl SieveScanExec {
                             // fragment, with their key ranges.
                             let mut descriptions_first = Vec::new();
                             let mut local = None;
-                            let mut registered_body = None;
+                            let mut to_register = None;
                             let (base_body, predicate) = match &star_join {
                                 None => (base_body, predicate),
                                 Some(star) => {
@@ -1386,17 +1428,7 @@ impl SieveScanExec {
                                     // or the fallback's (its key ranges and
                                     // bitmaps alone may be large).
                                     if body.len() > BODY_INLINE_BYTES_MAX {
-                                        let (registered, note) = register_body(
-                                            &catalog,
-                                            &traffic,
-                                            &table.name,
-                                            &body,
-                                            &registration_nodes,
-                                            registration_timeout,
-                                        )
-                                        .await;
-                                        registered_body = registered;
-                                        descriptions_first.push(note);
+                                        to_register = Some(body.clone());
                                     }
                                     (Arc::new(body), predicate)
                                 }
@@ -1408,6 +1440,48 @@ impl SieveScanExec {
                             };
                             let (conjuncts, descriptions) =
                                 resolve(&join_filters, &key_filters, &join_settings, probe).await?;
+                            // With the join filters' key ranges known: the
+                            // table's slices or a sorted copy's, and only
+                            // those that may match.
+                            let reading = choice.as_ref().map(|choice| {
+                                let judged = (predicate.is_some() || !conjuncts.is_empty())
+                                    .then(|| {
+                                        physical_conjunction(
+                                            predicate.iter().cloned().chain(conjuncts.iter().cloned()),
+                                        )
+                                    });
+                                let reading = crate::copies::choose(
+                                    &choice.table,
+                                    &choice.copies,
+                                    judged.as_ref(),
+                                );
+                                if reading.copy.is_some()
+                                    || reading.table.slices.len() < choice.table.slices.len()
+                                {
+                                    descriptions_first
+                                        .push(reading.describe(choice.table.slices.len()));
+                                }
+                                let units = work_units(&reading.table, partitions);
+                                Arc::new((reading, units))
+                            });
+                            let (table, registration_nodes) = match &reading {
+                                Some(reading) => (Arc::clone(&reading.0.table), nodes_of(&reading.1)),
+                                None => (table, registration_nodes),
+                            };
+                            let mut registered_body = None;
+                            if let Some(body) = to_register {
+                                let (registered, note) = register_body(
+                                    &catalog,
+                                    &traffic,
+                                    &table.name,
+                                    &body,
+                                    &registration_nodes,
+                                    registration_timeout,
+                                )
+                                .await;
+                                registered_body = registered;
+                                descriptions_first.push(note);
+                            }
                             let mut descriptions: Vec<String> =
                                 descriptions_first.into_iter().chain(descriptions).collect();
                             let note = |descriptions: Vec<String>| {
@@ -1420,6 +1494,7 @@ impl SieveScanExec {
                                     join_filter: None,
                                     local: local.clone(),
                                     registered_body: registered_body.clone(),
+                                    reading: reading.clone(),
                                 })
                             };
                             if conjuncts.is_empty() {
@@ -1497,6 +1572,7 @@ impl SieveScanExec {
                                 body: base_body,
                                 local: local.clone(),
                                 registered_body: registered_body.clone(),
+                                reading: reading.clone(),
                                 join_filter: Some(RegisteredJoinFilter {
                                     id,
                                     filter,
@@ -1540,8 +1616,16 @@ impl SieveScanExec {
         // at once, so the compute node works while the storage nodes still do.
         let parts = stream::once(body)
             .map_ok(move |body| {
-                let requests = requests.clone();
-                let table_name = table_name.clone();
+                let mut requests = requests.clone();
+                let mut table_name = table_name.clone();
+                let units: Vec<WorkUnit> = match &body.reading {
+                    Some(reading) => {
+                        table_name = reading.0.table.name.clone();
+                        requests.table = table_name.clone();
+                        reading.1.iter().skip(partition).step_by(partitions).cloned().collect()
+                    }
+                    None => units.clone(),
+                };
                 let completion = completion.clone();
                 let bytes_sent = bytes_sent.clone();
                 let as_stored = nothing_to_push && body.join_filter.is_none() && body.local.is_none();
@@ -1555,7 +1639,7 @@ impl SieveScanExec {
                     raw_completion.clone(),
                 );
                 let local = body.local.clone();
-                let inner = stream::iter(units.clone())
+                let inner = stream::iter(units)
                     .map(move |unit| {
                         let mut envelope = FragmentEnvelope::new(
                             table_name.clone(),

@@ -24,7 +24,9 @@ use datafusion_datasource_parquet::CachedParquetFileReaderFactory;
 use sieve_fragment::{check_allowed, pruning_predicate, ExpressionShape};
 
 use crate::checked_reader::CheckedReaderFactory;
+use crate::copies::TableCopy;
 use crate::nan_safe::nan_safe;
+use crate::scan::ScanChoice;
 
 use crate::range_store::{ClusterRangeStore, CLUSTER_RANGE_URL};
 use crate::{
@@ -45,6 +47,9 @@ pub struct SieveTable {
     traffic: Arc<Traffic>,
     /// The table's unique, never-NULL columns, proven once when first asked.
     unique: std::sync::OnceLock<Vec<usize>>,
+    /// Its current sorted copies (a table a user owns), which a scan may
+    /// read instead ([`crate::copies`]).
+    copies: Vec<TableCopy>,
 }
 
 impl SieveTable {
@@ -59,7 +64,18 @@ impl SieveTable {
             catalog,
             traffic,
             unique: std::sync::OnceLock::new(),
+            copies: vec![],
         }
+    }
+
+    /// This provider, with `copies` to read instead where they skip more.
+    pub fn with_copies(self, copies: Vec<TableCopy>) -> Self {
+        Self { copies, ..self }
+    }
+
+    /// The sorted copies a scan may read instead.
+    pub fn copies(&self) -> &[TableCopy] {
+        &self.copies
     }
 
     /// Columns unique over the slices this provider reads and never NULL
@@ -235,14 +251,36 @@ impl TableProvider for SieveTable {
             needed.sort_unstable();
             needed.dedup();
         }
-        let scan: Arc<dyn ExecutionPlan> = Arc::new(SieveScanExec::try_new(
-            Arc::clone(&self.catalog),
-            Arc::clone(&self.table),
-            Arc::clone(&self.traffic),
-            needed.clone(),
-            pushed,
-            ScanOptions::from_settings(&settings, state.config().target_partitions())?,
-        )?);
+        // The table's slices or a sorted copy's, only those that may hold
+        // rows the whole predicate keeps; judged again at run time with
+        // the join filters.
+        let copies: &[TableCopy] = if settings.sorted_copies {
+            &self.copies
+        } else {
+            &[]
+        };
+        let reading = crate::copies::choose(&self.table, copies, predicate.as_ref());
+        let planned =
+            if reading.copy.is_some() || reading.table.slices.len() < self.table.slices.len() {
+                reading.describe(self.table.slices.len())
+            } else {
+                String::new()
+            };
+        let scan: Arc<dyn ExecutionPlan> = Arc::new(
+            SieveScanExec::try_new(
+                Arc::clone(&self.catalog),
+                Arc::clone(&reading.table),
+                Arc::clone(&self.traffic),
+                needed.clone(),
+                pushed,
+                ScanOptions::from_settings(&settings, state.config().target_partitions())?,
+            )?
+            .with_choice(ScanChoice {
+                table: Arc::clone(&self.table),
+                copies: copies.to_vec(),
+                planned,
+            }),
+        );
         let scan: Arc<dyn ExecutionPlan> = if notes.is_empty() {
             scan
         } else {

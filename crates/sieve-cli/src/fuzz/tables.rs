@@ -222,6 +222,7 @@ impl FuzzSchema {
                 row_group_rows: spec.layout.row_group_rows_max as u64,
                 page_rows: spec.layout.data_page_rows_max as u64,
                 planned: true,
+                copy_of: None,
             };
             let statement = format!("fuzz: load {}", spec.name);
             let (entry, _) = owned.store().create_table(

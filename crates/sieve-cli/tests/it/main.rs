@@ -45,5 +45,6 @@ mod serve_flight_sql;
 mod serve_pg;
 mod serve_python;
 mod slice_details;
+mod sorted_copies;
 mod ssb;
 mod streams;

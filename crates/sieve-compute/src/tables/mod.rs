@@ -45,8 +45,9 @@ pub use one_version::ReadOneVersion;
 pub use provider::OwnedTable;
 pub use schema::SieveSchema;
 pub use store::{
-    Change, Deletion, SliceEntry, Snapshot, TableEntry, TableLayout, TableStore, WrittenSlice,
-    HEARTBEAT_MS, PAGE_ROWS_DEFAULT, PROCESS_LEASE_MS, ROW_GROUP_ROWS_DEFAULT, SLICE_ROWS_DEFAULT,
+    Change, CopyOf, Deletion, SliceEntry, Snapshot, TableEntry, TableLayout, TableStore,
+    WrittenSlice, HEARTBEAT_MS, PAGE_ROWS_DEFAULT, PROCESS_LEASE_MS, ROW_GROUP_ROWS_DEFAULT,
+    SLICE_ROWS_DEFAULT,
 };
 pub use writer::{TableWriter, SLICES_ENCODING_MAX, SLICE_BUFFER_BYTES_MAX};
 

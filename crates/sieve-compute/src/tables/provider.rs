@@ -17,6 +17,7 @@ use futures::StreamExt;
 
 use super::delete::{ChangeRowsExec, RowChange};
 use super::{Change, OwnedTables, Snapshot, TableWriter, VersionPin};
+use crate::copies::TableCopy;
 use crate::{ClusterCatalog, ClusterTable, SieveTable, Traffic};
 
 /// A table a user owns, at the version it was looked up at.
@@ -75,13 +76,15 @@ impl OwnedTable {
             return Ok(None);
         };
         let cluster_table = Arc::new(tables.cluster_table(&snapshot, pin));
+        let copies = current_copies(tables, &snapshot, pin)?;
         Ok(Some(Self {
             tables: Arc::clone(tables),
             read: SieveTable::new(
                 Arc::clone(&cluster_table),
                 Arc::clone(catalog),
                 Arc::clone(traffic),
-            ),
+            )
+            .with_copies(copies),
             snapshot,
             catalog: Arc::clone(catalog),
             traffic: Arc::clone(traffic),
@@ -92,6 +95,11 @@ impl OwnedTable {
     /// The provider that reads the table's slices at this version.
     pub fn reader(&self) -> &SieveTable {
         &self.read
+    }
+
+    /// The table and its slices at the version this provider reads.
+    pub fn snapshot(&self) -> &Snapshot {
+        &self.snapshot
     }
 
     /// The version this provider reads.
@@ -137,6 +145,7 @@ impl TableProvider for OwnedTable {
         input: Arc<dyn ExecutionPlan>,
         insert_op: InsertOp,
     ) -> Result<Arc<dyn ExecutionPlan>> {
+        refuse_copy_change(&self.snapshot)?;
         let change = match insert_op {
             InsertOp::Append => Removal::None,
             InsertOp::Overwrite => Removal::All,
@@ -161,6 +170,7 @@ impl TableProvider for OwnedTable {
         state: &dyn Session,
         filters: Vec<Expr>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
+        refuse_copy_change(&self.snapshot)?;
         let predicate = self.physical_predicate(state, filters)?;
         Ok(Arc::new(ChangeRowsExec::new(
             Arc::clone(&self.tables),
@@ -182,6 +192,7 @@ impl TableProvider for OwnedTable {
         assignments: Vec<(String, Expr)>,
         filters: Vec<Expr>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
+        refuse_copy_change(&self.snapshot)?;
         let schema = Arc::clone(&self.snapshot.table.schema);
         let df_schema = DFSchema::try_from(Arc::clone(&schema))?;
         let mut values: Vec<Arc<dyn datafusion::physical_expr::PhysicalExpr>> = schema
@@ -225,6 +236,7 @@ impl TableProvider for OwnedTable {
     /// Every slice removed in one commit, when the plan runs (so EXPLAIN
     /// changes nothing); answers the rows removed.
     async fn truncate(&self, _state: &dyn Session) -> Result<Arc<dyn ExecutionPlan>> {
+        refuse_copy_change(&self.snapshot)?;
         let removed: u64 = self
             .snapshot
             .slices
@@ -266,6 +278,48 @@ impl OwnedTable {
         })?;
         Ok(Some(predicate))
     }
+}
+
+/// The sorted copies of `snapshot`'s table that hold its rows at `pin`'s
+/// version, with their slices then.
+fn current_copies(
+    tables: &Arc<OwnedTables>,
+    snapshot: &Snapshot,
+    pin: &VersionPin,
+) -> Result<Vec<TableCopy>> {
+    let store = tables.store();
+    let mut copies = Vec::new();
+    for entry in store.copies_at(snapshot.table.id, pin.version())? {
+        let Some(copy_of) = entry.layout.copy_of else {
+            continue;
+        };
+        if entry.schema != snapshot.table.schema
+            || !store.copy_is_current(copy_of, pin.version())?
+        {
+            continue;
+        }
+        let Some(copy) = store.snapshot(&entry.name, pin.version())? else {
+            continue;
+        };
+        copies.push(TableCopy {
+            name: entry.name.clone(),
+            sort_key: entry.layout.sort_key.clone(),
+            table: Arc::new(tables.cluster_table(&copy, pin)),
+        });
+    }
+    Ok(copies)
+}
+
+/// A sorted copy changes only with its table: refuse a statement that
+/// would change the copy alone.
+pub(super) fn refuse_copy_change(snapshot: &Snapshot) -> Result<()> {
+    if snapshot.table.layout.copy_of.is_some() {
+        return datafusion::common::plan_err!(
+            "table '{}' is a sorted copy (copy_of): change its table, then make the copy again (DROP TABLE, CREATE TABLE ... WITH (copy_of = ...)); until then scans of its table do not read it",
+            snapshot.table.name
+        );
+    }
+    Ok(())
 }
 
 /// Which slices an insert replaces.

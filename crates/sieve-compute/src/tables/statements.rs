@@ -209,7 +209,7 @@ fn layout_from(options: &CreateTableOptions, schema: &Schema, nodes: usize) -> R
     let options: &[SqlOption] = match options {
         CreateTableOptions::None => &[],
         CreateTableOptions::With(options) => options,
-        other => return plan_err!("table options '{other}' are not supported; use WITH (sort_key = '...', replicas = N, slice_rows = N, row_group_rows = N, page_rows = N, layout = 'planned' | 'fixed')"),
+        other => return plan_err!("table options '{other}' are not supported; use WITH (sort_key = '...', replicas = N, slice_rows = N, row_group_rows = N, page_rows = N, layout = 'planned' | 'fixed', copy_of = 'table')"),
     };
     for option in options {
         let SqlOption::KeyValue { key, value } = option else {
@@ -292,7 +292,7 @@ fn layout_from(options: &CreateTableOptions, schema: &Schema, nodes: usize) -> R
             }
             other => {
                 return plan_err!(
-                    "unknown table option '{other}' (known: sort_key, replicas, slice_rows, row_group_rows, page_rows, layout)"
+                    "unknown table option '{other}' (known: sort_key, replicas, slice_rows, row_group_rows, page_rows, layout, copy_of)"
                 )
             }
         }
@@ -326,6 +326,9 @@ async fn create_table(
         return plan_err!("not a CREATE TABLE");
     };
     let options = std::mem::take(&mut create.table_options);
+    if option_text(&options, "copy_of").is_some() {
+        return create_copy(context, owned, create, &options, sql).await;
+    }
     let state = context.state();
     let plan = state
         .statement_to_plan(DFStatement::Statement(Box::new(statement)))
@@ -376,6 +379,181 @@ async fn create_table(
         .create_table(&name, &schema, &layout, false, sql)?;
     let frame = DataFrame::new(state, create.input.as_ref().clone());
     let mut stream = frame.execute_stream().await?;
+    let mut writer = TableWriter::new(Arc::clone(owned), table);
+    while let Some(batch) = stream.next().await {
+        let written = match batch {
+            Ok(batch) => writer.write(batch).await,
+            Err(error) => Err(error),
+        };
+        if let Err(error) = written {
+            writer.abandon().await;
+            return Err(error);
+        }
+    }
+    let change = Change {
+        publish: true,
+        ..Change::default()
+    };
+    let (_, rows) = writer.commit(change, sql).await?;
+    count_frame(context, rows)
+}
+
+/// The text of table option `key` in `options`, if given.
+fn option_text(options: &CreateTableOptions, key: &str) -> Option<String> {
+    let CreateTableOptions::With(options) = options else {
+        return None;
+    };
+    options.iter().find_map(|option| match option {
+        SqlOption::KeyValue { key: given, value } if given.value.eq_ignore_ascii_case(key) => {
+            Some(match value {
+                SqlExpr::Value(value) => match &value.value {
+                    Value::SingleQuotedString(text) | Value::DoubleQuotedString(text) => {
+                        text.clone()
+                    }
+                    other => other.to_string(),
+                },
+                SqlExpr::Identifier(ident) => ident.value.clone(),
+                other => other.to_string(),
+            })
+        }
+        _ => None,
+    })
+}
+
+/// `CREATE TABLE name WITH (copy_of = 'source', sort_key = '...')`: a
+/// sorted copy of table `source` a user owns, holding its rows at the
+/// version read, sorted as a whole by the sort key (so each slice holds
+/// one range of it). Scans of `source` read the copy instead when its
+/// order skips more ([`crate::table`]), for as long as `source` has not
+/// changed since; the copy itself takes no INSERT, UPDATE or DELETE.
+async fn create_copy(
+    context: &SessionContext,
+    owned: &Arc<OwnedTables>,
+    create: &datafusion::sql::sqlparser::ast::CreateTable,
+    options: &CreateTableOptions,
+    sql: &str,
+) -> Result<DataFrame> {
+    use datafusion::physical_expr::expressions::Column;
+    use datafusion::physical_expr::{LexOrdering, PhysicalSortExpr};
+    use datafusion::physical_plan::sorts::sort::SortExec;
+    use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
+
+    if !create.columns.is_empty() || create.query.is_some() {
+        return plan_err!(
+            "a sorted copy takes its columns and rows from its table: CREATE TABLE name WITH (copy_of = 'table', sort_key = 'column,...'), without columns or AS"
+        );
+    }
+    if create.temporary || create.or_replace {
+        return plan_err!("a sorted copy cannot be TEMPORARY or OR REPLACE");
+    }
+    let parts = &create.name.0;
+    let name = match parts.as_slice() {
+        [name] | [_, name] => name
+            .as_ident()
+            .map(|ident| ident.value.clone())
+            .unwrap_or_else(|| name.to_string()),
+        _ => {
+            return plan_err!(
+                "a table is named 'name' or 'public.name', not '{}'",
+                create.name
+            )
+        }
+    };
+    if let [schema, _] = parts.as_slice() {
+        if schema.to_string() != "public" {
+            return plan_err!("tables are created in schema 'public', not '{schema}'");
+        }
+    }
+    sieve_format::writes::check_table_name(&name).map_err(DataFusionError::Plan)?;
+    if context.table_exist(name.as_str())? {
+        if create.if_not_exists {
+            return no_rows(context);
+        }
+        return plan_err!("table '{name}' already exists");
+    }
+    let source_name = option_text(options, "copy_of").unwrap_or_default();
+    let provider = context.table_provider(source_name.as_str()).await.ok();
+    let Some(source) = provider
+        .as_ref()
+        .and_then(|provider| provider.downcast_ref::<super::OwnedTable>())
+    else {
+        return plan_err!("copy_of names '{source_name}', which is not a table a user owns");
+    };
+    let snapshot = source.snapshot();
+    if snapshot.table.layout.copy_of.is_some() {
+        return plan_err!("'{source_name}' is itself a sorted copy: copy its table instead");
+    }
+    // The copy's layout: what WITH gives, else the source's.
+    let CreateTableOptions::With(given) = options else {
+        return plan_err!("a sorted copy takes WITH (copy_of = ..., sort_key = ...)");
+    };
+    let rest: Vec<SqlOption> = given
+        .iter()
+        .filter(|option| {
+            !matches!(option, SqlOption::KeyValue { key, .. } if key.value.eq_ignore_ascii_case("copy_of"))
+        })
+        .cloned()
+        .collect();
+    let schema = Arc::clone(&snapshot.table.schema);
+    let mut layout = layout_from(&CreateTableOptions::With(rest), &schema, owned.nodes())?;
+    let given_key = |key: &str| option_text(options, key).is_some();
+    let base = &snapshot.table.layout;
+    if !given_key("replicas") {
+        layout.replicas = base.replicas;
+    }
+    if !given_key("slice_rows") {
+        layout.slice_rows = base.slice_rows;
+    }
+    if !given_key("row_group_rows") {
+        layout.row_group_rows = base.row_group_rows;
+    }
+    if !given_key("page_rows") {
+        layout.page_rows = base.page_rows;
+    }
+    if !given_key("layout") {
+        layout.planned = base.planned;
+    }
+    if layout.sort_key.is_empty() {
+        return plan_err!("a sorted copy needs sort_key = 'column,...'");
+    }
+    if layout.sort_key == base.sort_key {
+        return plan_err!(
+            "'{source_name}' is already sorted by '{}'",
+            base.sort_key.join(",")
+        );
+    }
+    layout.copy_of = Some(super::CopyOf {
+        table: snapshot.table.id,
+        version: snapshot.version,
+    });
+    // The source's rows at the version its provider pinned (held until
+    // the copy commits), sorted as a whole: DataFusion's sort, which
+    // spills through the memory pool, then a merge of its partitions.
+    let state = context.state();
+    let scan =
+        datafusion::catalog::TableProvider::scan(source.reader(), &state, None, &[], None).await?;
+    let ordering: Vec<PhysicalSortExpr> = layout
+        .sort_key
+        .iter()
+        .map(|column| {
+            let index = schema.index_of(column)?;
+            Ok(PhysicalSortExpr::new(
+                Arc::new(Column::new(column, index)),
+                arrow::compute::SortOptions {
+                    descending: false,
+                    nulls_first: true,
+                },
+            ))
+        })
+        .collect::<Result<_>>()?;
+    let ordering = LexOrdering::new(ordering)
+        .ok_or_else(|| plan_datafusion_err!("a sorted copy needs sort_key = 'column,...'"))?;
+    let sorted = Arc::new(SortExec::new(ordering.clone(), scan).with_preserve_partitioning(true));
+    let merged = Arc::new(SortPreservingMergeExec::new(ordering, sorted));
+    let (table, _) = owned
+        .store()
+        .create_table(&name, &schema, &layout, false, sql)?;
+    let mut stream = datafusion::physical_plan::execute_stream(merged, state.task_ctx())?;
     let mut writer = TableWriter::new(Arc::clone(owned), table);
     while let Some(batch) = stream.next().await {
         let written = match batch {
@@ -609,6 +787,7 @@ async fn copy_from(
             "COPY into '{name}': there is no such table a user created (CREATE TABLE first)"
         );
     };
+    super::provider::refuse_copy_change(&snapshot)?;
     let files = expand_path(&filename)?;
     let schema = Arc::clone(&snapshot.table.schema);
     // One partition per file, read in order, so an error names its file

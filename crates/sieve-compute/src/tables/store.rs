@@ -69,6 +69,20 @@ pub struct TableLayout {
     /// instead of the fixed layout (`layout = 'fixed'`: dictionary and
     /// zstd(1) everywhere).
     pub planned: bool,
+    /// A sorted copy: the table whose rows it holds, and the version read
+    /// ([`TableStore::copy_is_current`]).
+    pub copy_of: Option<CopyOf>,
+}
+
+/// What a sorted copy copies: the same rows as table `table` at `version`,
+/// sorted by the copy's own sort key. A scan of `table` may read the copy
+/// instead while `table` has not changed since `version`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyOf {
+    /// The source table's id.
+    pub table: u64,
+    /// The version of the source table the copy holds.
+    pub version: u64,
 }
 
 impl TableLayout {
@@ -81,6 +95,7 @@ impl TableLayout {
             row_group_rows: ROW_GROUP_ROWS_DEFAULT,
             page_rows: PAGE_ROWS_DEFAULT,
             planned: LAYOUT_PLANNED_DEFAULT,
+            copy_of: None,
         }
     }
 
@@ -469,7 +484,7 @@ impl TableStore {
         let connection = self.lock();
         let mut statement = connection
             .prepare(
-                "SELECT id, name, schema, sort_key, replicas, slice_rows, row_group_rows, page_rows, planned FROM tables
+                "SELECT id, name, schema, sort_key, replicas, slice_rows, row_group_rows, page_rows, planned, copy_of, copy_version FROM tables
                  WHERE created IS NOT NULL AND created <= ?1 AND (dropped IS NULL OR dropped > ?1)",
             )
             .map_err(sql_error)?;
@@ -495,6 +510,39 @@ impl TableStore {
             table,
             slices,
         }))
+    }
+
+    /// The sorted copies of table `table` that exist at `version`, current
+    /// or not ([`Self::copy_is_current`]), by name.
+    pub fn copies_at(&self, table: u64, version: u64) -> Result<Vec<TableEntry>> {
+        Ok(self
+            .tables_at(version)?
+            .into_values()
+            .filter(|entry| entry.layout.copy_of.is_some_and(|copy| copy.table == table))
+            .collect())
+    }
+
+    /// Whether a copy of `copy.table` at `copy.version` holds the same rows
+    /// as that table at `version`: the table exists then, under the same
+    /// id, and no commit in between added, removed or deleted from any of
+    /// its slices.
+    pub fn copy_is_current(&self, copy: CopyOf, version: u64) -> Result<bool> {
+        if version < copy.version {
+            return Ok(false);
+        }
+        let connection = self.lock();
+        connection
+            .query_row(
+                "SELECT EXISTS(SELECT 1 FROM tables WHERE id = ?1 AND created IS NOT NULL
+                         AND created <= ?2 AND (dropped IS NULL OR dropped > ?3))
+                   AND NOT EXISTS(SELECT 1 FROM slices WHERE table_id = ?1
+                         AND ((added > ?2 AND added <= ?3) OR (removed > ?2 AND removed <= ?3)))
+                   AND NOT EXISTS(SELECT 1 FROM deletions d JOIN slices s ON s.slice = d.slice
+                         WHERE s.table_id = ?1 AND d.version > ?2 AND d.version <= ?3)",
+                params![copy.table as i64, copy.version as i64, version as i64],
+                |row| row.get::<_, bool>(0),
+            )
+            .map_err(sql_error)
     }
 
     fn slices_at(&self, table: u64, version: u64) -> Result<Vec<SliceEntry>> {
@@ -581,7 +629,7 @@ impl TableStore {
         let schema_bytes = encode_schema(schema)?;
         transaction
             .execute(
-                "INSERT INTO tables(name, schema, sort_key, replicas, slice_rows, created, row_group_rows, page_rows, planned) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                "INSERT INTO tables(name, schema, sort_key, replicas, slice_rows, created, row_group_rows, page_rows, planned, copy_of, copy_version) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
                 params![
                     name,
                     schema_bytes,
@@ -592,6 +640,8 @@ impl TableStore {
                     layout.row_group_rows as i64,
                     layout.page_rows as i64,
                     i64::from(layout.planned),
+                    layout.copy_of.map(|copy| copy.table as i64),
+                    layout.copy_of.map(|copy| copy.version as i64),
                 ],
             )
             .map_err(sql_error)?;
@@ -714,6 +764,20 @@ impl TableStore {
         if dropped.is_some() || (created.is_none() && !change.publish) {
             return exec_err!(
                 "the table was dropped while the statement ran; nothing was committed"
+            );
+        }
+        // A sorted copy holds its table's rows as of one version: it takes
+        // its rows once, when it is published, and no change after.
+        let copy: Option<i64> = transaction
+            .query_row(
+                "SELECT copy_of FROM tables WHERE id = ?1",
+                [table as i64],
+                |row| row.get(0),
+            )
+            .map_err(sql_error)?;
+        if copy.is_some() && !change.publish {
+            return exec_err!(
+                "a sorted copy does not change after it is made; nothing was committed"
             );
         }
         let version = next_version(&transaction, statement)? as i64;
@@ -933,7 +997,19 @@ impl Drop for TableStore {
     }
 }
 
-type TableRow = (i64, String, Vec<u8>, String, i64, i64, i64, i64, i64);
+type TableRow = (
+    i64,
+    String,
+    Vec<u8>,
+    String,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    Option<i64>,
+    Option<i64>,
+);
 
 fn table_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<TableRow> {
     Ok((
@@ -946,6 +1022,8 @@ fn table_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<TableRow> {
         row.get(6)?,
         row.get(7)?,
         row.get(8)?,
+        row.get(9)?,
+        row.get(10)?,
     ))
 }
 
@@ -973,11 +1051,31 @@ fn add_layout_columns(connection: &Connection) -> Result<()> {
                 .map_err(sql_error)?;
         }
     }
+    // Sorted copies (NULL: not a copy).
+    for column in ["copy_of", "copy_version"] {
+        if !columns.iter().any(|name| name == column) {
+            connection
+                .execute_batch(&format!("ALTER TABLE tables ADD COLUMN {column} INTEGER"))
+                .map_err(sql_error)?;
+        }
+    }
     Ok(())
 }
 
 fn decode_table(
-    (id, name, schema, sort_key, replicas, slice_rows, row_group_rows, page_rows, planned): TableRow,
+    (
+        id,
+        name,
+        schema,
+        sort_key,
+        replicas,
+        slice_rows,
+        row_group_rows,
+        page_rows,
+        planned,
+        copy_of,
+        copy_version,
+    ): TableRow,
 ) -> Result<TableEntry> {
     Ok(TableEntry {
         id: id as u64,
@@ -991,6 +1089,10 @@ fn decode_table(
             row_group_rows: row_group_rows.max(1) as u64,
             page_rows: page_rows.max(1) as u64,
             planned: planned != 0,
+            copy_of: copy_of.zip(copy_version).map(|(table, version)| CopyOf {
+                table: table as u64,
+                version: version as u64,
+            }),
         },
     })
 }
@@ -1034,6 +1136,7 @@ mod tests {
             row_group_rows: ROW_GROUP_ROWS_DEFAULT,
             page_rows: PAGE_ROWS_DEFAULT,
             planned: false,
+            copy_of: None,
         }
     }
 
