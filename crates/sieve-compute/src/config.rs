@@ -51,6 +51,10 @@ extensions_options! {
         /// the query's predicate and join filters, fewer of its rows may
         /// match.
         pub sorted_copies: bool, default = true
+        /// Leave out of a scan the slices whose min/max show that no row
+        /// can satisfy its predicate and join filters: no request is sent
+        /// for them. Off, every slice is asked and its node skips its pages.
+        pub slice_pruning: bool, default = true
         /// Push a star join only if its build sides' rows are at most this
         /// share of the probe table's mean rows per slice: every slice
         /// builds the hash tables again, and past it a join filter does

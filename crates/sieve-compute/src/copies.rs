@@ -72,11 +72,12 @@ impl Reading {
 
 /// Of `table` and `copies`, the one whose slices that may satisfy
 /// `predicate` (over the table schema) hold the fewest rows, with only
-/// those slices; the table itself on a tie.
+/// those slices if `prune` (else with all); the table itself on a tie.
 pub fn choose(
     table: &Arc<ClusterTable>,
     copies: &[TableCopy],
     predicate: Option<&Arc<dyn PhysicalExpr>>,
+    prune: bool,
 ) -> Reading {
     let mut best = kept(table, None, predicate);
     for copy in copies {
@@ -84,6 +85,13 @@ pub fn choose(
         if candidate.rows < best.rows {
             best = candidate;
         }
+    }
+    if !prune {
+        best.table = match &best.copy {
+            Some(copy) => Arc::clone(&copy.table),
+            None => Arc::clone(table),
+        };
+        best.rows = best.rows_all;
     }
     best
 }

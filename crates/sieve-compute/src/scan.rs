@@ -126,6 +126,8 @@ pub struct ScanChoice {
     pub table: Arc<ClusterTable>,
     /// Its current sorted copies.
     pub copies: Vec<TableCopy>,
+    /// Whether slices that cannot match are left out (`sieve.slice_pruning`).
+    pub prune: bool,
     /// What planning chose from the query's own predicate, for EXPLAIN.
     pub planned: String,
 }
@@ -1454,6 +1456,7 @@ impl SieveScanExec {
                                     &choice.table,
                                     &choice.copies,
                                     judged.as_ref(),
+                                    choice.prune,
                                 );
                                 if reading.copy.is_some()
                                     || reading.table.slices.len() < choice.table.slices.len()

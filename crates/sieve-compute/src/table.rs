@@ -259,7 +259,12 @@ impl TableProvider for SieveTable {
         } else {
             &[]
         };
-        let reading = crate::copies::choose(&self.table, copies, predicate.as_ref());
+        let reading = crate::copies::choose(
+            &self.table,
+            copies,
+            predicate.as_ref(),
+            settings.slice_pruning,
+        );
         let planned =
             if reading.copy.is_some() || reading.table.slices.len() < self.table.slices.len() {
                 reading.describe(self.table.slices.len())
@@ -278,6 +283,7 @@ impl TableProvider for SieveTable {
             .with_choice(ScanChoice {
                 table: Arc::clone(&self.table),
                 copies: copies.to_vec(),
+                prune: settings.slice_pruning,
                 planned,
             }),
         );

@@ -321,8 +321,9 @@ pub struct FuzzReport {
 
 /// Sieve's plan rewrites the fuzz report counts, each with the text its
 /// EXPLAIN shows for it.
-pub const PLAN_FEATURES: [(&str, &str); 6] = [
+pub const PLAN_FEATURES: [(&str, &str); 7] = [
     ("pushed filter", "pushed filter:"),
+    ("sorted copy", "reads copy "),
     ("pushed aggregate", "pushed aggregate:"),
     ("join filter", "join filter from"),
     ("star join", "pushed join: dimension(s)"),

@@ -252,6 +252,30 @@ impl FuzzSchema {
             };
             writer.commit(change, &statement).await?;
         }
+        // A sorted copy of each table, by the last of its columns whose
+        // order a copy can use: scans read it where it skips more slices
+        // (`sieve_compute::copies`), in every mode but NDP off.
+        for table in &self.tables {
+            let spec = &table.spec;
+            let Some(column) = spec.columns.iter().rev().find(|column| {
+                column.name != "id"
+                    && (column.data_type.is_integer()
+                        || matches!(
+                            column.data_type,
+                            DataType::Date32 | DataType::Utf8 | DataType::Decimal128(_, _)
+                        ))
+            }) else {
+                continue;
+            };
+            session
+                .sql(&format!(
+                    "CREATE TABLE {0}_sorted WITH (copy_of = '{0}', sort_key = '{1}')",
+                    spec.name, column.name
+                ))
+                .await?
+                .collect()
+                .await?;
+        }
         Ok(())
     }
 

@@ -57,6 +57,17 @@ async fn sieve_agrees_with_plain_datafusion_on_random_queries() {
         "no star join was compared:\n{}",
         report.summary()
     );
+    // Scans read the tables' sorted copies (the schemas loaded through
+    // the write path keep one per table).
+    let copies: usize = report
+        .plan_features
+        .get("sorted copy")
+        .map_or(0, |modes| modes.values().sum());
+    assert!(
+        copies > 0,
+        "no scan read a sorted copy:\n{}",
+        report.summary()
+    );
     let reproductions: Vec<String> = report.mismatches.iter().map(ToString::to_string).collect();
     assert!(
         report.mismatches.is_empty(),
