@@ -1006,14 +1006,7 @@ impl<'schema> QueryGenerator<'schema> {
         };
         let count = 1 + self.random.below(4);
         let aggregates: Vec<Output> = (0..count).map(|_| self.aggregate_call(scope)).collect();
-        let mut outputs: Vec<String> = groups.clone();
-        let mut approximate = Vec::new();
-        for aggregate in &aggregates {
-            if aggregate.approximate {
-                approximate.push(outputs.len());
-            }
-            outputs.push(aggregate.sql.clone());
-        }
+        let (outputs, approximate) = outputs_after(&groups, &aggregates);
         let mut sql = format!(
             "SELECT {} FROM {from}{}",
             select_list(&outputs),
@@ -1194,14 +1187,7 @@ impl<'schema> QueryGenerator<'schema> {
         let aggregates: Vec<Output> = (0..count)
             .map(|_| self.aggregate_call(&fact_scope))
             .collect();
-        let mut outputs: Vec<String> = groups.clone();
-        let mut approximate = Vec::new();
-        for aggregate in &aggregates {
-            if aggregate.approximate {
-                approximate.push(outputs.len());
-            }
-            outputs.push(aggregate.sql.clone());
-        }
+        let (outputs, approximate) = outputs_after(&groups, &aggregates);
         let mut sql = format!(
             "SELECT {} FROM {}{joins}",
             select_list(&outputs),
@@ -1490,6 +1476,20 @@ impl<'schema> QueryGenerator<'schema> {
         );
         query(sql, QueryShape::RecursiveCte, false, vec![])
     }
+}
+
+/// The select list of grouping expressions followed by aggregates, and the
+/// positions of the approximate (float) aggregates in it.
+fn outputs_after(groups: &[String], aggregates: &[Output]) -> (Vec<String>, Vec<usize>) {
+    let mut outputs = groups.to_vec();
+    let mut approximate = Vec::new();
+    for aggregate in aggregates {
+        if aggregate.approximate {
+            approximate.push(outputs.len());
+        }
+        outputs.push(aggregate.sql.clone());
+    }
+    (outputs, approximate)
 }
 
 fn query(
