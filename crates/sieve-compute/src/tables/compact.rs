@@ -10,7 +10,6 @@ use std::sync::Arc;
 use datafusion::common::Result;
 use datafusion::execution::TaskContext;
 use datafusion::physical_plan::ExecutionPlan;
-use futures::StreamExt;
 
 use super::{Change, OwnedTables, Snapshot, TableWriter};
 use crate::{ClusterCatalog, ClusterTable, ScanOptions, SieveScanExec, Traffic};
@@ -57,17 +56,8 @@ pub async fn compact(
             None,
             ScanOptions::from_settings(&settings, 1)?,
         )?;
-        let mut rows = scan.execute(0, Arc::clone(&context))?;
-        while let Some(batch) = rows.next().await {
-            let written = match batch {
-                Ok(batch) => writer.write(batch).await,
-                Err(error) => Err(error),
-            };
-            if let Err(error) = written {
-                writer.abandon().await;
-                return Err(error);
-            }
-        }
+        let rows = scan.execute(0, Arc::clone(&context))?;
+        writer = writer.write_stream(rows).await?;
         if let Err(error) = writer.end_slice().await {
             writer.abandon().await;
             return Err(error);

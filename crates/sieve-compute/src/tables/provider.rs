@@ -13,7 +13,6 @@ use datafusion::logical_expr::dml::InsertOp;
 use datafusion::logical_expr::{Expr, TableProviderFilterPushDown};
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan};
 use datafusion_datasource::sink::{DataSink, DataSinkExec};
-use futures::StreamExt;
 
 use super::delete::{ChangeRowsExec, RowChange};
 use super::{Change, OwnedTables, Snapshot, TableWriter, VersionPin};
@@ -362,20 +361,12 @@ impl DataSink for SliceSink {
 
     async fn write_all(
         &self,
-        mut data: SendableRecordBatchStream,
+        data: SendableRecordBatchStream,
         _context: &Arc<TaskContext>,
     ) -> Result<u64> {
-        let mut writer = TableWriter::new(Arc::clone(&self.tables), self.snapshot.table.clone());
-        while let Some(batch) = data.next().await {
-            let written = match batch {
-                Ok(batch) => writer.write(batch).await,
-                Err(error) => Err(error),
-            };
-            if let Err(error) = written {
-                writer.abandon().await;
-                return Err(error);
-            }
-        }
+        let writer = TableWriter::new(Arc::clone(&self.tables), self.snapshot.table.clone())
+            .write_stream(data)
+            .await?;
         let change = Change {
             removed: match self.removal {
                 Removal::None => vec![],

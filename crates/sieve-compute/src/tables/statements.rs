@@ -378,18 +378,10 @@ async fn create_table(
         .store()
         .create_table(&name, &schema, &layout, false, sql)?;
     let frame = DataFrame::new(state, create.input.as_ref().clone());
-    let mut stream = frame.execute_stream().await?;
-    let mut writer = TableWriter::new(Arc::clone(owned), table);
-    while let Some(batch) = stream.next().await {
-        let written = match batch {
-            Ok(batch) => writer.write(batch).await,
-            Err(error) => Err(error),
-        };
-        if let Err(error) = written {
-            writer.abandon().await;
-            return Err(error);
-        }
-    }
+    let stream = frame.execute_stream().await?;
+    let writer = TableWriter::new(Arc::clone(owned), table)
+        .write_stream(stream)
+        .await?;
     let change = Change {
         publish: true,
         ..Change::default()
@@ -553,18 +545,10 @@ async fn create_copy(
     let (table, _) = owned
         .store()
         .create_table(&name, &schema, &layout, false, sql)?;
-    let mut stream = datafusion::physical_plan::execute_stream(merged, state.task_ctx())?;
-    let mut writer = TableWriter::new(Arc::clone(owned), table);
-    while let Some(batch) = stream.next().await {
-        let written = match batch {
-            Ok(batch) => writer.write(batch).await,
-            Err(error) => Err(error),
-        };
-        if let Err(error) = written {
-            writer.abandon().await;
-            return Err(error);
-        }
-    }
+    let stream = datafusion::physical_plan::execute_stream(merged, state.task_ctx())?;
+    let writer = TableWriter::new(Arc::clone(owned), table)
+        .write_stream(stream)
+        .await?;
     let change = Change {
         publish: true,
         ..Change::default()

@@ -207,6 +207,26 @@ impl TableWriter {
         Ok(())
     }
 
+    /// Write every batch of `batches`; on the first error (of the stream
+    /// or of a write), abandon the slices written so far and return it.
+    pub async fn write_stream<S>(mut self, mut batches: S) -> Result<Self>
+    where
+        S: futures::Stream<Item = Result<RecordBatch>> + Unpin,
+    {
+        use futures::StreamExt;
+        while let Some(batch) = batches.next().await {
+            let written = match batch {
+                Ok(batch) => self.write(batch).await,
+                Err(error) => Err(error),
+            };
+            if let Err(error) = written {
+                self.abandon().await;
+                return Err(error);
+            }
+        }
+        Ok(self)
+    }
+
     /// Write the rows taken so far as a slice, even if it is not full: the
     /// rows that follow go to another slice.
     pub async fn end_slice(&mut self) -> Result<()> {
