@@ -407,25 +407,46 @@ enum Command {
 /// the default and at 1.2 GB with two arenas, and the compute node's peak
 /// grew query after query at SF 100. Measured in
 /// docs/results/2026-11-25-issue18-part2.md (mimalloc was tried there and
-/// was slower and larger). `MALLOC_ARENA_MAX` in the environment wins.
-fn cap_malloc_arenas() {
+/// was slower and larger; again in 2026-11-27-issue20-part12.md, with a
+/// larger storage node). `MALLOC_ARENA_MAX` in the environment wins.
+///
+/// And the size from which malloc maps a block of its own, returned to the
+/// system when freed: fixed at 1 MiB. glibc's default starts at 128 KiB but
+/// rises to the size of each mapped block freed, up to 32 MiB, so after the
+/// first large buffers (a page's decoded column, a join filter's bitmap, an
+/// IPC message) every later one of that size comes from an arena, where it
+/// stays part of the peak. TPC-H Q21 at SF 100: largest storage node 212
+/// against 259 to 281 MB, compute 1,522 against 1,663 to 1,834 MB
+/// (docs/results/2026-11-27-issue20-part12.md). `MALLOC_MMAP_THRESHOLD_`
+/// in the environment wins.
+fn tune_malloc() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        if std::env::var_os("MALLOC_ARENA_MAX").is_some() {
-            return;
+        if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+            let cores = std::thread::available_parallelism().map_or(2, |cores| cores.get());
+            let arenas = libc::c_int::try_from(cores.max(2)).unwrap_or(libc::c_int::MAX);
+            // SAFETY: called first in `main`, before any other thread exists;
+            // `mallopt` only sets one of malloc's tunables.
+            unsafe {
+                libc::mallopt(libc::M_ARENA_MAX, arenas);
+            }
         }
-        let cores = std::thread::available_parallelism().map_or(2, |cores| cores.get());
-        let arenas = libc::c_int::try_from(cores.max(2)).unwrap_or(libc::c_int::MAX);
-        // SAFETY: called first in `main`, before any other thread exists;
-        // `mallopt` only sets one of malloc's tunables.
-        unsafe {
-            libc::mallopt(libc::M_ARENA_MAX, arenas);
+        if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
+            // SAFETY: as above. Setting the threshold also turns off its
+            // dynamic rise.
+            unsafe {
+                libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+            }
         }
     }
 }
 
+/// See [`tune_malloc`].
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const MMAP_THRESHOLD: libc::c_int = 1 << 20;
+
 fn main() -> ExitCode {
-    cap_malloc_arenas();
+    tune_malloc();
     let cli = Cli::parse();
     // Threads with deep stacks (`sieve_compute::compute_runtime`), and the
     // command's own thread likewise: DataFusion plans by recursion.
