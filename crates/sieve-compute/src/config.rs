@@ -99,6 +99,12 @@ extensions_options! {
         /// Bloom filter when the bitmap takes at most this many bytes, or at
         /// most twice the Bloom filter's; 0 turns key bitmaps off.
         pub join_filter_bitmap_bytes: usize, default = 65536
+        /// Key bitmaps of at least this many bytes travel in windows, each
+        /// slice request carrying the part its slice's key range needs,
+        /// where the slices' key ranges are narrow and apart (a table
+        /// sorted by the key); others are registered whole on every
+        /// storage node. 0: always registered.
+        pub join_filter_part_bytes_min: usize, default = 1024 * 1024
         /// Longest wait for a join's build side before a probe scan goes
         /// ahead without its filter, in milliseconds.
         pub join_filter_wait_ms: u64, default = 60000
@@ -178,6 +184,7 @@ impl SieveConfig {
             bloom_fpp: self.join_filter_bloom_fpp,
             bitmap_bytes: self.join_filter_bitmap_bytes,
             wait: Duration::from_millis(self.join_filter_wait_ms),
+            part_bytes_min: self.join_filter_part_bytes_min,
         }
     }
 

@@ -51,6 +51,7 @@ use crate::copies::{Reading, TableCopy};
 use crate::early_start::{buffer_ahead, EarlySlots};
 use crate::estimate::filtered_statistics;
 use crate::failover::{request_slice, FailoverSettings, SliceRequests};
+use crate::join_filter::parts::JoinFilterParts;
 use crate::join_filter::{
     resolve, JoinFilterSettings, JoinFilterSlot, KeyFilterSlot, ProbeColumns,
 };
@@ -730,6 +731,10 @@ struct ResolvedBody {
     /// The encoded body (without join filters).
     body: Arc<Vec<u8>>,
     join_filter: Option<RegisteredJoinFilter>,
+    /// Key bitmaps sent in windows, one with each request.
+    join_filter_parts: Option<Arc<JoinFilterParts>>,
+    /// Every join filter, whole: what a raw slice is completed with.
+    join_filter_whole: Option<Arc<dyn PhysicalExpr>>,
     /// A star join whose build rows did not fit the fragment: its
     /// operators, run here over the rows the nodes ship.
     local: Option<Arc<dyn ExecutionPlan>>,
@@ -841,8 +846,6 @@ async fn register_body(
 /// also drop it once idle, `sieve_storage::JOIN_FILTER_IDLE_TIMEOUT`).
 struct RegisteredJoinFilter {
     id: [u8; JOIN_FILTER_ID_BYTES],
-    /// The filter, over the table schema: what a raw slice is completed with.
-    filter: Arc<dyn PhysicalExpr>,
     /// Nodes that accepted it.
     nodes: Vec<StorageClient>,
     traffic: Arc<Traffic>,
@@ -1336,6 +1339,8 @@ impl SieveScanExec {
         let registration_nodes = self.registration_nodes();
         let registration_timeout = self.failover.timeout;
         let filter_bytes = builder().counter("join_filter_bytes_sent", partition);
+        let (part_bytes, traffic_parts) = (filter_bytes.clone(), Arc::clone(&traffic));
+        let all_units = self.units.clone();
         let body = {
             let (catalog, traffic) = (Arc::clone(&catalog), Arc::clone(&traffic));
             async move {
@@ -1343,6 +1348,8 @@ impl SieveScanExec {
                     Arc::new(ResolvedBody {
                         body: Arc::clone(body),
                         join_filter: None,
+                        join_filter_parts: None,
+                        join_filter_whole: None,
                         local: None,
                         registered_body: None,
                         reading: None,
@@ -1495,6 +1502,8 @@ impl SieveScanExec {
                                 Arc::new(ResolvedBody {
                                     body: Arc::clone(body),
                                     join_filter: None,
+                                    join_filter_parts: None,
+                                    join_filter_whole: None,
                                     local: local.clone(),
                                     registered_body: registered_body.clone(),
                                     reading: reading.clone(),
@@ -1518,11 +1527,52 @@ impl SieveScanExec {
                                 note(vec![format!("join filters not pushed: {reason}")]);
                                 return Ok(plain(&base_body));
                             }
-                            let encoded =
-                                JoinFilterRegistration::encode(&table.name, &table.schema, &filter)
-                                    .and_then(|(bytes, id)| {
-                                        Ok((JoinFilterRegistration::compress(&bytes)?, id))
-                                    });
+                            // Large key bitmaps over a key the slices
+                            // hold in narrow ranges go in windows, one
+                            // with each request; the rest is registered.
+                            let (registered, parts) = {
+                                let slices: Vec<&ClusterSlice> = match &reading {
+                                    Some(reading) => {
+                                        reading.1.iter().map(|unit| &unit.slice).collect()
+                                    }
+                                    None => all_units.iter().map(|unit| &unit.slice).collect(),
+                                };
+                                JoinFilterParts::split(
+                                    &table.name,
+                                    &table.schema,
+                                    vec![Arc::clone(&filter)],
+                                    slices.into_iter(),
+                                    join_settings.part_bytes_min,
+                                )
+                            };
+                            let parts = parts.map(Arc::new);
+                            if let Some(parts) = &parts {
+                                descriptions.push(parts.describe());
+                            }
+                            let with_parts = |join_filter: Option<RegisteredJoinFilter>| {
+                                Arc::new(ResolvedBody {
+                                    body: Arc::clone(&base_body),
+                                    local: local.clone(),
+                                    registered_body: registered_body.clone(),
+                                    reading: reading.clone(),
+                                    join_filter,
+                                    join_filter_parts: parts.clone(),
+                                    join_filter_whole: Some(Arc::clone(&filter)),
+                                })
+                            };
+                            if registered.is_empty() {
+                                note(descriptions);
+                                return Ok(with_parts(None));
+                            }
+                            let registered_filter = physical_conjunction(registered);
+                            let encoded = JoinFilterRegistration::encode(
+                                &table.name,
+                                &table.schema,
+                                &registered_filter,
+                            )
+                            .and_then(|(bytes, id)| {
+                                Ok((JoinFilterRegistration::compress(&bytes)?, id))
+                            });
                             let (registration, id) = match encoded {
                                 Ok(encoded) => encoded,
                                 Err(error) => {
@@ -1571,19 +1621,12 @@ impl SieveScanExec {
                                 registration_nodes.len()
                             ));
                             note(descriptions);
-                            Ok::<_, DataFusionError>(Arc::new(ResolvedBody {
-                                body: base_body,
-                                local: local.clone(),
-                                registered_body: registered_body.clone(),
-                                reading: reading.clone(),
-                                join_filter: Some(RegisteredJoinFilter {
-                                    id,
-                                    filter,
-                                    nodes,
-                                    traffic,
-                                    timeout: registration_timeout,
-                                }),
-                            }))
+                            Ok::<_, DataFusionError>(with_parts(Some(RegisteredJoinFilter {
+                                id,
+                                nodes,
+                                traffic,
+                                timeout: registration_timeout,
+                            })))
                         };
                         resolve.await.map_err(|error| error.strip_backtrace())
                     })
@@ -1631,7 +1674,11 @@ impl SieveScanExec {
                 };
                 let completion = completion.clone();
                 let bytes_sent = bytes_sent.clone();
-                let as_stored = nothing_to_push && body.join_filter.is_none() && body.local.is_none();
+                let (part_bytes, traffic_parts) = (part_bytes.clone(), Arc::clone(&traffic_parts));
+                let as_stored = nothing_to_push
+                    && body.join_filter.is_none()
+                    && body.join_filter_parts.is_none()
+                    && body.local.is_none();
                 let raw_counters = (
                     if as_stored {
                         slices_as_stored.clone()
@@ -1657,6 +1704,28 @@ impl SieveScanExec {
                         }
                         if let Some(filter) = &body.join_filter {
                             envelope = envelope.with_join_filter(&filter.id);
+                        }
+                        if let Some(parts) = &body.join_filter_parts {
+                            // Without its part a request is answered the
+                            // same, with more rows.
+                            match parts.part_for(&unit.slice) {
+                                Ok(part) => {
+                                    let bytes = part.len();
+                                    envelope = envelope.with_join_filter_part(part);
+                                    if prost::Message::encoded_len(&envelope)
+                                        > sieve_fragment::FRAGMENT_BYTES_MAX
+                                    {
+                                        envelope.join_filter_part.clear();
+                                    } else {
+                                        part_bytes.add(bytes);
+                                        traffic_parts.add_join_filter_part(bytes as u64);
+                                    }
+                                }
+                                Err(error) => log::warn!(
+                                    "join filter part not sent: {}",
+                                    error.strip_backtrace()
+                                ),
+                            }
                         }
                         let deleted = unit
                             .slice
@@ -1716,10 +1785,7 @@ impl SieveScanExec {
                                     slices_raw.add(1);
                                     bytes_raw.add(pages.bytes() as usize);
                                     let _timer = raw_completion.timer();
-                                    let filter = body
-                                        .join_filter
-                                        .as_ref()
-                                        .map(|filter| Arc::clone(&filter.filter));
+                                    let filter = body.join_filter_whole.clone();
                                     match completion.run(
                                         pages,
                                         &body.body,

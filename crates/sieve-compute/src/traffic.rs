@@ -84,6 +84,12 @@ impl Traffic {
         self.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// A join filter part, sent inside a slice request's envelope (whose
+    /// bytes count as sent already).
+    pub(crate) fn add_join_filter_part(&self, bytes: u64) {
+        self.join_filter_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     /// The counters now.
     pub fn snapshot(&self) -> TrafficSnapshot {
         TrafficSnapshot {

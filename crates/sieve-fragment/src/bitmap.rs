@@ -344,6 +344,132 @@ impl KeyBitmapExpr {
         })
     }
 
+    /// This bitmap cut to the chunks of [`KEY_BITMAP_CHUNK_WORDS`] words
+    /// that overlap `[low, high]`: a window, what one slice of a table
+    /// sorted by the key needs (its key range, by its statistics). Values
+    /// in the chunks left out pass, as in a bitmap cut on a node, so a
+    /// slice holding values outside `[low, high]` is filtered less, never
+    /// wrongly. A bitmap already cut is returned as it is.
+    pub fn window(&self, low: i64, high: i64) -> Self {
+        if self.chunks.is_some() {
+            return self.clone();
+        }
+        let word_count = words_for(self.bits);
+        let chunk_count = word_count.div_ceil(KEY_BITMAP_CHUNK_WORDS);
+        let chunk_values = (KEY_BITMAP_CHUNK_WORDS * 64) as i128;
+        let (base, last) = (
+            i128::from(self.base),
+            i128::from(self.base) + self.bits as i128 - 1,
+        );
+        let (low, high) = (i128::from(low).max(base), i128::from(high).min(last));
+        let mut chunks = vec![CHUNK_LEFT_OUT; chunk_count];
+        let mut words = Vec::new();
+        if low <= high {
+            let first = ((low - base) / chunk_values) as usize;
+            let end = ((high - base) / chunk_values) as usize + 1;
+            for (at, chunk) in (first..end).enumerate() {
+                chunks[chunk] = at as u32;
+            }
+            let from = first * KEY_BITMAP_CHUNK_WORDS;
+            let to = (end * KEY_BITMAP_CHUNK_WORDS).min(word_count);
+            words.extend_from_slice(&self.words[from..to]);
+            words.resize((end - first) * KEY_BITMAP_CHUNK_WORDS, 0);
+        }
+        Self {
+            input: Arc::clone(&self.input),
+            data_type: self.data_type.clone(),
+            base: self.base,
+            bits: self.bits,
+            words: Arc::new(words),
+            chunks: Some(Arc::new(chunks)),
+            keys: self.keys,
+        }
+    }
+
+    /// Bytes of the words [`Self::window`] would keep for `[low, high]`.
+    pub fn window_bytes(&self, low: i64, high: i64) -> usize {
+        let chunk_values = (KEY_BITMAP_CHUNK_WORDS * 64) as i128;
+        let (base, last) = (
+            i128::from(self.base),
+            i128::from(self.base) + self.bits as i128 - 1,
+        );
+        let (low, high) = (i128::from(low).max(base), i128::from(high).min(last));
+        if low > high {
+            return 0;
+        }
+        let chunks = (high - base) / chunk_values - (low - base) / chunk_values + 1;
+        chunks as usize * KEY_BITMAP_CHUNK_WORDS * 8
+    }
+
+    /// A window's ([`Self::window`]) first chunk and its words: `None`
+    /// unless the bitmap is cut and the chunks it keeps are one run, in
+    /// order.
+    pub fn window_words(&self) -> Option<(usize, &[u64])> {
+        let chunks = self.chunks.as_ref()?;
+        let first = chunks
+            .iter()
+            .position(|&at| at != CHUNK_LEFT_OUT)
+            .unwrap_or(0);
+        let kept = self.words.len() / KEY_BITMAP_CHUNK_WORDS;
+        let run = chunks
+            .iter()
+            .enumerate()
+            .all(|(chunk, &at)| match chunk.checked_sub(first) {
+                Some(index) if index < kept => at as usize == index,
+                _ => at == CHUNK_LEFT_OUT,
+            });
+        run.then_some((first, self.words.as_slice()))
+    }
+
+    /// Rebuild a window ([`Self::window`]) received on the wire: `bytes`
+    /// are the little-endian words of whole chunks from `first_chunk` on,
+    /// of a bitmap of `bits` values from `base`.
+    pub fn from_window(
+        input: Arc<dyn PhysicalExpr>,
+        data_type: DataType,
+        base: i64,
+        bits: u64,
+        first_chunk: u64,
+        bytes: &[u8],
+        keys: u64,
+    ) -> Result<Self> {
+        if !Self::supports(&data_type) {
+            return plan_err!("a key bitmap cannot hold keys of type {data_type}");
+        }
+        let word_count = words_for(bits);
+        let chunk_bytes = KEY_BITMAP_CHUNK_WORDS * 8;
+        let chunk_count = word_count.div_ceil(KEY_BITMAP_CHUNK_WORDS);
+        let kept = bytes.len() / chunk_bytes;
+        if bits == 0
+            || word_count.saturating_mul(8) > KEY_BITMAP_BYTES_MAX
+            || bytes.len() % chunk_bytes != 0
+            || first_chunk.saturating_add(kept as u64) > chunk_count as u64
+        {
+            return plan_err!(
+                "key bitmap window of {} bytes from chunk {first_chunk} does not fit a bitmap of {bits} bits (at most {KEY_BITMAP_BYTES_MAX} bytes)",
+                bytes.len()
+            );
+        }
+        let first = first_chunk as usize;
+        let mut chunks = vec![CHUNK_LEFT_OUT; chunk_count];
+        for (at, chunk) in (first..first + kept).enumerate() {
+            chunks[chunk] = at as u32;
+        }
+        let words = bytes
+            .chunks_exact(8)
+            .map(|word| u64::from_le_bytes(word.try_into().expect("chunks of 8")))
+            .collect();
+        Ok(Self {
+            input,
+            data_type,
+            base,
+            bits,
+            words: Arc::new(words),
+            chunks: Some(Arc::new(chunks)),
+            keys,
+        })
+    }
+
     /// The words of a bitmap that is not cut (a cut one's chunks left out
     /// as all ones).
     fn whole_words(&self) -> std::borrow::Cow<'_, [u64]> {
@@ -449,6 +575,24 @@ impl KeyBitmapExpr {
             }
         };
         Ok(BooleanArray::new(matched, values.logical_nulls()))
+    }
+}
+
+/// A slice summary's bound (Arrow's display of a value) of a column of
+/// `data_type` as a key bitmap sees it, if the type is one a bitmap holds
+/// and the text parses as one.
+pub fn key_bound(text: &str, data_type: &DataType) -> Option<i64> {
+    use datafusion::common::ScalarValue;
+    match ScalarValue::try_from_string(text.to_string(), data_type).ok()? {
+        ScalarValue::Int8(Some(v)) => Some(v.into()),
+        ScalarValue::Int16(Some(v)) => Some(v.into()),
+        ScalarValue::Int32(Some(v)) => Some(v.into()),
+        ScalarValue::Int64(Some(v)) => Some(v),
+        ScalarValue::UInt8(Some(v)) => Some(v.into()),
+        ScalarValue::UInt16(Some(v)) => Some(v.into()),
+        ScalarValue::UInt32(Some(v)) => Some(v.into()),
+        ScalarValue::Date32(Some(v)) => Some(v.into()),
+        _ => None,
     }
 }
 
@@ -722,6 +866,99 @@ mod tests {
                 None,
             );
             assert!(refused.is_err(), "{name}");
+        }
+    }
+
+    /// A window keeps the chunks over its range, answers exactly inside
+    /// them and lets every other value of the bitmap's range pass; it
+    /// travels as its chunks alone and comes back the same; a window that
+    /// does not fit its bitmap is refused.
+    #[test]
+    fn a_window_answers_inside_passes_outside_and_survives_the_wire() {
+        let keys: ArrayRef = Arc::new(Int64Array::from_iter_values(
+            (0..2_000_000).map(|v| v * 3 + 10),
+        ));
+        let bitmap = KeyBitmapExpr::try_new(column(), DataType::Int64, &keys).unwrap();
+        let chunk_values = (KEY_BITMAP_CHUNK_WORDS * 64) as i64;
+        let last = bitmap.base() + bitmap.bits() as i64 - 1;
+        for (low, high) in [
+            (1_000_000, 1_300_000),
+            (0, 5),
+            (last - 3, last + 1000),
+            (-500, 70_000),
+            (last + 10, last + 20),
+        ] {
+            let window = bitmap.window(low, high);
+            assert_eq!(
+                window.byte_len() - 4 * window.chunks.as_ref().unwrap().len(),
+                { bitmap.window_bytes(low, high) }
+            );
+            let (first, words) = window.window_words().expect("one run of chunks");
+            let bytes: Vec<u8> = words.iter().flat_map(|word| word.to_le_bytes()).collect();
+            let again = KeyBitmapExpr::from_window(
+                column(),
+                DataType::Int64,
+                bitmap.base(),
+                bitmap.bits(),
+                first as u64,
+                &bytes,
+                bitmap.keys(),
+            )
+            .unwrap();
+            assert_eq!(again, window, "[{low}, {high}]");
+            let probe: ArrayRef = Arc::new(Int64Array::from_iter_values(
+                (low - 70_000..low + 1000)
+                    .chain(high - 1000..high + 70_000)
+                    .chain([i64::MIN, i64::MAX, 9, last + 1]),
+            ));
+            let whole = bitmap.probe(&probe).unwrap();
+            let windowed = again.probe(&probe).unwrap();
+            let base = bitmap.base();
+            let in_window = |value: i64| {
+                let overlap = (low.max(base), high.min(last));
+                overlap.0 <= overlap.1
+                    && ((overlap.0 - base) / chunk_values..=(overlap.1 - base) / chunk_values)
+                        .contains(&((value - base) / chunk_values))
+            };
+            for (index, &value) in probe
+                .as_primitive::<Int64Type>()
+                .values()
+                .iter()
+                .enumerate()
+            {
+                let expected = if !(base..=last).contains(&value) {
+                    false
+                } else if in_window(value) {
+                    whole.value(index)
+                } else {
+                    true
+                };
+                assert_eq!(windowed.value(index), expected, "[{low}, {high}] {value}");
+                if (low..=high).contains(&value) {
+                    assert_eq!(windowed.value(index), whole.value(index), "{value}");
+                }
+            }
+        }
+        let bytes = vec![0u8; KEY_BITMAP_CHUNK_WORDS * 8];
+        let chunks = bitmap
+            .bits()
+            .div_ceil(64)
+            .div_ceil(KEY_BITMAP_CHUNK_WORDS as u64);
+        for (first, length) in [
+            (chunks, bytes.len()),
+            (0, bytes.len() - 8),
+            (chunks - 1, 2 * bytes.len()),
+        ] {
+            let refused = KeyBitmapExpr::from_window(
+                column(),
+                DataType::Int64,
+                bitmap.base(),
+                bitmap.bits(),
+                first,
+                &vec![0u8; length],
+                1,
+            );
+            assert!(refused.is_err(), "chunk {first}, {length} bytes");
         }
     }
 

@@ -148,6 +148,12 @@ struct KeyBitmapNode {
     bits: u64,
     #[prost(uint64, tag = "4")]
     keys: u64,
+    /// A window ([`KeyBitmapExpr::window`]): `words` are those of whole
+    /// chunks from `first_chunk` on; the values of the other chunks pass.
+    #[prost(bool, tag = "6")]
+    windowed: bool,
+    #[prost(uint64, tag = "7")]
+    first_chunk: u64,
 }
 
 /// A key bitmap of at least this many bytes travels compressed on its own
@@ -292,6 +298,20 @@ impl PhysicalExtensionCodec for SieveCodec {
                     let column = input.downcast_ref::<Column>()?;
                     key_ranges(column.name(), &data_type)
                 });
+                if bitmap.windowed {
+                    if !bitmap.words_zstd.is_empty() {
+                        return plan_err!("a key bitmap window travels uncompressed");
+                    }
+                    return Ok(Arc::new(KeyBitmapExpr::from_window(
+                        Arc::clone(input),
+                        data_type,
+                        bitmap.base,
+                        bitmap.bits,
+                        bitmap.first_chunk,
+                        &bitmap.words,
+                        bitmap.keys,
+                    )?));
+                }
                 if !bitmap.words_zstd.is_empty() {
                     if !bitmap.words.is_empty() {
                         return plan_err!("a key bitmap has its words twice");
@@ -333,6 +353,22 @@ impl PhysicalExtensionCodec for SieveCodec {
                 fpp: bloom.fpp(),
             })
         } else if let Some(bitmap) = node.downcast_ref::<KeyBitmapExpr>() {
+            if let Some((first_chunk, words)) = bitmap.window_words() {
+                let kind = SieveExprKind::Bitmap(KeyBitmapNode {
+                    words: words.iter().flat_map(|word| word.to_le_bytes()).collect(),
+                    words_zstd: Vec::new(),
+                    base: bitmap.base(),
+                    bits: bitmap.bits(),
+                    keys: bitmap.keys(),
+                    windowed: true,
+                    first_chunk: first_chunk as u64,
+                });
+                return SieveExprNode { kind: Some(kind) }
+                    .encode(buf)
+                    .map_err(|error| {
+                        plan_datafusion_err!("cannot encode join filter expression: {error}")
+                    });
+            }
             let (words, words_zstd) = if bitmap.byte_len() >= KEY_BITMAP_ZSTD_BYTES_MIN {
                 (Vec::new(), bitmap.to_zstd()?)
             } else {
@@ -344,6 +380,8 @@ impl PhysicalExtensionCodec for SieveCodec {
                 base: bitmap.base(),
                 bits: bitmap.bits(),
                 keys: bitmap.keys(),
+                windowed: false,
+                first_chunk: 0,
             })
         } else {
             return plan_err!("expression {node} cannot be part of an NDP fragment");

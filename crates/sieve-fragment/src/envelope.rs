@@ -24,7 +24,9 @@ use crate::{check_allowed, check_plan_allowed, SieveCodec};
 /// filters' membership tests travel as Bloom filters or key bitmaps.
 /// Version 5: join filters are registered on the node once per query
 /// ([`crate::JoinFilterRegistration`]) and envelopes name them.
-pub const FRAGMENT_VERSION: u32 = 5;
+/// Version 6: an envelope may carry a join filter part, the window of a
+/// large key bitmap its slice's key range needs.
+pub const FRAGMENT_VERSION: u32 = 6;
 
 /// Upper bound on an encoded fragment. A TPC-H predicate encodes to a few
 /// kilobytes; an IN list of ten thousand keys to well under a megabyte. Larger
@@ -90,6 +92,15 @@ pub struct FragmentEnvelope {
     /// busy node's raw slices. Not with `row_positions`.
     #[prost(bool, tag = "12")]
     pub raw: bool,
+    /// A join filter part: a compressed, encoded
+    /// [`crate::JoinFilterRegistration`] applied with the body's predicate
+    /// and the registered join filter, sent with this request only. It
+    /// holds the windows of large key bitmaps this slice's key range needs
+    /// ([`crate::KeyBitmapExpr::window`]), so that a node holds a bitmap's
+    /// chunks only while it works on the slices that need them. Empty for
+    /// none.
+    #[prost(bytes = "vec", tag = "13")]
+    pub join_filter_part: Vec<u8>,
 }
 
 /// The shortest heartbeat interval a storage node honours, in milliseconds:
@@ -406,6 +417,7 @@ impl FragmentEnvelope {
             row_positions: false,
             body_id: vec![],
             raw: false,
+            join_filter_part: Vec::new(),
         }
     }
 
@@ -444,6 +456,13 @@ impl FragmentEnvelope {
         (self.heartbeat_ms > 0).then(|| {
             std::time::Duration::from_millis(u64::from(self.heartbeat_ms.max(HEARTBEAT_MS_MIN)))
         })
+    }
+
+    /// This envelope applying the join filter part `part` (see
+    /// [`FragmentEnvelope::join_filter_part`]).
+    pub fn with_join_filter_part(mut self, part: Vec<u8>) -> Self {
+        self.join_filter_part = part;
+        self
     }
 
     /// This envelope applying the registered join filter `id`.

@@ -49,6 +49,10 @@ pub const RELEASE_JOIN_FILTER_ACTION: &str = "release-join-filter";
 /// is about 20 MB).
 pub const JOIN_FILTER_BYTES_MAX: usize = crate::KEY_BITMAP_BYTES_MAX + 8 * 1024 * 1024;
 
+/// Upper bound on a join filter part once decompressed (it travels in an
+/// envelope, itself within [`crate::FRAGMENT_BYTES_MAX`]).
+pub const JOIN_FILTER_PART_BYTES_MAX: usize = 4 * crate::FRAGMENT_BYTES_MAX;
+
 /// Bytes of a join filter id.
 pub const JOIN_FILTER_ID_BYTES: usize = 16;
 
@@ -110,6 +114,18 @@ impl JoinFilterRegistration {
             plan_datafusion_err!(
                 "join filter registration is not a zstd frame of at most \
                  {JOIN_FILTER_BYTES_MAX} bytes: {error}"
+            )
+        })
+    }
+
+    /// The encoded join filter part in an envelope
+    /// ([`crate::FragmentEnvelope::join_filter_part`]), refusing one that
+    /// would decompress past [`JOIN_FILTER_PART_BYTES_MAX`].
+    pub fn decompress_part(part: &[u8]) -> Result<Vec<u8>> {
+        zstd::bulk::decompress(part, JOIN_FILTER_PART_BYTES_MAX).map_err(|error| {
+            plan_datafusion_err!(
+                "join filter part is not a zstd frame of at most \
+                 {JOIN_FILTER_PART_BYTES_MAX} bytes: {error}"
             )
         })
     }

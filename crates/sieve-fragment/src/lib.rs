@@ -54,7 +54,7 @@ pub use allow_list::{
     BUILD_TABLE_BYTES_MAX, FRAGMENT_JOINS_MAX,
 };
 pub use auth::{Secret, AUTHORIZATION_HEADER, SECRET_BYTES_MAX, SECRET_BYTES_MIN};
-pub use bitmap::{KeyBitmapExpr, KEY_BITMAP_BYTES_MAX, KEY_BITMAP_CHUNK_WORDS};
+pub use bitmap::{key_bound, KeyBitmapExpr, KEY_BITMAP_BYTES_MAX, KEY_BITMAP_CHUNK_WORDS};
 pub use bloom::{BloomFilterExpr, BLOOM_FILTER_BYTES_MAX};
 pub use codec::{KeyRanges, SieveCodec, SliceInputExec, KEY_BITMAP_ZSTD_BYTES_MIN};
 pub use deletions::{
@@ -71,7 +71,8 @@ pub use errors::{
 };
 pub use join_filter::{
     join_filter_id, DecodedJoinFilter, JoinFilterRegistration, JOIN_FILTER_BYTES_MAX,
-    JOIN_FILTER_ID_BYTES, REGISTER_JOIN_FILTER_ACTION, RELEASE_JOIN_FILTER_ACTION,
+    JOIN_FILTER_ID_BYTES, JOIN_FILTER_PART_BYTES_MAX, REGISTER_JOIN_FILTER_ACTION,
+    RELEASE_JOIN_FILTER_ACTION,
 };
 pub use like::{fast_like, OrderedSubstringsExpr};
 pub use limits::{

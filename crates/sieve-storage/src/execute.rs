@@ -20,9 +20,7 @@ use std::time::Duration;
 use arrow::datatypes::SchemaRef;
 use arrow::record_batch::RecordBatch;
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
-use datafusion::common::{
-    internal_datafusion_err, plan_datafusion_err, plan_err, Result, ScalarValue,
-};
+use datafusion::common::{internal_datafusion_err, plan_datafusion_err, plan_err, Result};
 use datafusion::execution::object_store::ObjectStoreUrl;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::ExecutionPlan;
@@ -355,6 +353,23 @@ impl SliceExecutor {
                 None => join_filter_missing = true,
             }
         }
+        if !envelope.join_filter_part.is_empty() {
+            let bytes = JoinFilterRegistration::decompress_part(&envelope.join_filter_part)?;
+            let part = JoinFilterRegistration::decode_checked(
+                bytes,
+                |_| Ok(Arc::clone(&schema)),
+                |_| None,
+                &self.task_context,
+            )?;
+            if part.table != envelope.table {
+                return plan_err!(
+                    "join filter part is over table {}, the request over {}",
+                    part.table,
+                    envelope.table
+                );
+            }
+            body = Arc::new(body.with_join_filter(part.filter));
+        }
 
         let needed = needed_columns(&body);
 
@@ -641,20 +656,7 @@ pub(crate) fn key_ranges(
     column: &str,
     data_type: &arrow::datatypes::DataType,
 ) -> Option<Vec<(i64, i64)>> {
-    let as_i64 = |text: &Option<String>| -> Option<i64> {
-        let value = ScalarValue::try_from_string(text.clone()?, data_type).ok()?;
-        match value {
-            ScalarValue::Int8(Some(v)) => Some(v.into()),
-            ScalarValue::Int16(Some(v)) => Some(v.into()),
-            ScalarValue::Int32(Some(v)) => Some(v.into()),
-            ScalarValue::Int64(Some(v)) => Some(v),
-            ScalarValue::UInt8(Some(v)) => Some(v.into()),
-            ScalarValue::UInt16(Some(v)) => Some(v.into()),
-            ScalarValue::UInt32(Some(v)) => Some(v.into()),
-            ScalarValue::Date32(Some(v)) => Some(v.into()),
-            _ => None,
-        }
-    };
+    let as_i64 = |text: &Option<String>| sieve_fragment::key_bound(text.as_deref()?, data_type);
     let mut ranges = table
         .slices
         .values()

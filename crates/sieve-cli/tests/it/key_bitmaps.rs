@@ -13,6 +13,7 @@ use arrow::datatypes::{DataType, Field, Schema};
 use arrow::record_batch::RecordBatch;
 use datafusion::prelude::SessionContext;
 use sieve_cli::compare::{rows_as_text, run};
+use sieve_compute::SieveSession;
 
 use crate::common::{self, NODES};
 use crate::join_sides::{check, partitioned_joins};
@@ -150,6 +151,131 @@ async fn a_wide_key_bitmap_is_cut_to_the_key_ranges_each_node_holds() {
     let root = common::empty_root("key-bitmaps-cut", NODES);
     let (cluster, session) = common::cluster_with_catalog(&root, NODES).await;
     let reference = SessionContext::new();
+    create_wide_tables(&session, &reference).await;
+    session
+        .sql("SET datafusion.execution.target_partitions = 2")
+        .await
+        .unwrap();
+    session
+        .sql("SET sieve.join_filter_keys_max = 1000")
+        .await
+        .unwrap();
+    let queries = QUERIES
+        .iter()
+        .filter(|sql| !sql.contains(".d ") && !sql.contains(" d IN"))
+        .map(|sql| sql.replace("fact", "wide_fact").replace("dim", "wide_dim"));
+    let mut checked = 0;
+    for sql in queries {
+        check(&session, &reference, &sql, "wide_fact").await;
+        checked += 1;
+    }
+    assert!(checked >= 9, "{checked} queries");
+    let whole = common::node_stats_sum(&cluster, "join_filter_bitmap_bytes").await;
+    let kept = common::node_stats_sum(&cluster, "join_filter_bitmap_bytes_kept").await;
+    assert!(whole > 0, "no key bitmap was registered");
+    assert!(
+        kept * 2 < whole,
+        "the nodes kept {kept} of the bitmaps' {whole} bytes"
+    );
+    drop(session);
+    drop(cluster);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A key bitmap over a key the probe table's slices hold in narrow ranges
+/// travels in windows, each slice request carrying the chunks its slice's
+/// range needs: no node holds the bitmap, the probe scan keeps the same
+/// rows as with the bitmap registered on every node, fewer bytes go to the
+/// nodes, and every join type answers as plain DataFusion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wide_key_bitmap_travels_in_windows_with_the_slice_requests() {
+    let root = common::empty_root("key-bitmaps-windows", NODES);
+    let (cluster, session) = common::cluster_with_catalog(&root, NODES).await;
+    let reference = SessionContext::new();
+    create_wide_tables(&session, &reference).await;
+    for setting in [
+        "SET datafusion.execution.target_partitions = 2",
+        "SET sieve.join_filter_keys_max = 1000",
+        "SET sieve.star_join_pushdown = false",
+    ] {
+        session.sql(setting).await.unwrap();
+    }
+    let join = QUERIES[0]
+        .replace("fact", "wide_fact")
+        .replace("dim", "wide_dim");
+    let mut measured = Vec::new();
+    for part_bytes_min in [0, 1] {
+        session
+            .sql(&format!(
+                "SET sieve.join_filter_part_bytes_min = {part_bytes_min}"
+            ))
+            .await
+            .unwrap();
+        let bitmaps_before = common::node_stats_sum(&cluster, "join_filter_bitmap_bytes").await;
+        let before = session.traffic.snapshot();
+        let rows = check(&session, &reference, &join, "wide_fact").await;
+        let spent = session.traffic.snapshot().since(&before);
+        let registered =
+            common::node_stats_sum(&cluster, "join_filter_bitmap_bytes").await - bitmaps_before;
+        let plan = rows_as_text(
+            &run(&session.context, &format!("EXPLAIN ANALYZE {join}"))
+                .await
+                .unwrap(),
+            false,
+        )
+        .unwrap()
+        .join("\n");
+        let scan = plan
+            .lines()
+            .find(|line| line.contains("SieveScanExec: table=wide_fact@"))
+            .unwrap_or_else(|| panic!("no scan of wide_fact:\n{plan}"))
+            .to_string();
+        assert_eq!(
+            scan.contains("sent in windows"),
+            part_bytes_min > 0,
+            "part_bytes_min {part_bytes_min}: {scan}"
+        );
+        assert_eq!(
+            registered == 0,
+            part_bytes_min > 0,
+            "part_bytes_min {part_bytes_min}: bitmap bytes registered {registered}"
+        );
+        eprintln!(
+            "part_bytes_min {part_bytes_min}: wide_fact yielded {rows} rows, join filter bytes {}",
+            spent.join_filter_bytes
+        );
+        measured.push((rows, spent.join_filter_bytes));
+    }
+    let ((registered_rows, registered_bytes), (window_rows, window_bytes)) =
+        (measured[0], measured[1]);
+    assert_eq!(
+        window_rows, registered_rows,
+        "the windows filter as the bitmap does"
+    );
+    assert!(registered_rows < 60_000, "{registered_rows} rows");
+    assert!(
+        window_bytes > 0 && window_bytes < registered_bytes,
+        "windows {window_bytes} bytes, registrations {registered_bytes}"
+    );
+    let queries = QUERIES
+        .iter()
+        .filter(|sql| !sql.contains(".d ") && !sql.contains(" d IN"))
+        .map(|sql| sql.replace("fact", "wide_fact").replace("dim", "wide_dim"));
+    let mut checked = 0;
+    for sql in queries {
+        check(&session, &reference, &sql, "wide_fact").await;
+        checked += 1;
+    }
+    assert!(checked >= 9, "{checked} queries");
+    drop(session);
+    drop(cluster);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// `wide_fact`'s keys run in order over 3.6 M values in slices of 300,000
+/// values each, round-robin over the nodes; `wide_dim`'s over half that,
+/// dense enough to be collected as a bitmap.
+async fn create_wide_tables(session: &SieveSession, reference: &SessionContext) {
     let rows = 60_000i64;
     let wide_fact = RecordBatch::try_new(
         Arc::new(Schema::new(vec![
@@ -189,32 +315,4 @@ async fn a_wide_key_bitmap_is_cut_to_the_key_ranges_each_node_holds() {
         "slice_rows = 5000, page_rows = 512, replicas = 1",
     )
     .await;
-    session
-        .sql("SET datafusion.execution.target_partitions = 2")
-        .await
-        .unwrap();
-    session
-        .sql("SET sieve.join_filter_keys_max = 1000")
-        .await
-        .unwrap();
-    let queries = QUERIES
-        .iter()
-        .filter(|sql| !sql.contains(".d ") && !sql.contains(" d IN"))
-        .map(|sql| sql.replace("fact", "wide_fact").replace("dim", "wide_dim"));
-    let mut checked = 0;
-    for sql in queries {
-        check(&session, &reference, &sql, "wide_fact").await;
-        checked += 1;
-    }
-    assert!(checked >= 9, "{checked} queries");
-    let whole = common::node_stats_sum(&cluster, "join_filter_bitmap_bytes").await;
-    let kept = common::node_stats_sum(&cluster, "join_filter_bitmap_bytes_kept").await;
-    assert!(whole > 0, "no key bitmap was registered");
-    assert!(
-        kept * 2 < whole,
-        "the nodes kept {kept} of the bitmaps' {whole} bytes"
-    );
-    drop(session);
-    drop(cluster);
-    let _ = std::fs::remove_dir_all(&root);
 }

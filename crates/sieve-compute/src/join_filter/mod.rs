@@ -34,6 +34,7 @@
 //! not understood yields nothing, and EXPLAIN names it.
 
 mod implied;
+pub(crate) mod parts;
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -116,6 +117,10 @@ pub struct JoinFilterSettings {
     /// Upper bound on waiting for a join's build side, after which the scan
     /// goes ahead with whatever the filter holds then.
     pub wait: Duration,
+    /// Key bitmaps of at least this many bytes go in windows with each
+    /// slice request where the slices' key ranges allow, instead of
+    /// registered whole on every node (0: never; see [`parts`]).
+    pub part_bytes_min: usize,
 }
 
 /// The probe scan's output columns, as join filters need them.
@@ -756,6 +761,7 @@ mod tests {
             bloom_fpp: 0.01,
             bitmap_bytes: 0,
             wait: Duration::from_secs(1),
+            part_bytes_min: 0,
         }
     }
 
