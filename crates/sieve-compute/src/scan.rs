@@ -1340,7 +1340,7 @@ impl SieveScanExec {
         let registration_timeout = self.failover.timeout;
         let filter_bytes = builder().counter("join_filter_bytes_sent", partition);
         let (part_bytes, traffic_parts) = (filter_bytes.clone(), Arc::clone(&traffic));
-        let all_units = self.units.clone();
+        let all_units = Arc::clone(&self.units);
         let body = {
             let (catalog, traffic) = (Arc::clone(&catalog), Arc::clone(&traffic));
             async move {

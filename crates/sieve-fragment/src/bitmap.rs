@@ -442,7 +442,7 @@ impl KeyBitmapExpr {
         let kept = bytes.len() / chunk_bytes;
         if bits == 0
             || word_count.saturating_mul(8) > KEY_BITMAP_BYTES_MAX
-            || bytes.len() % chunk_bytes != 0
+            || !bytes.len().is_multiple_of(chunk_bytes)
             || first_chunk.saturating_add(kept as u64) > chunk_count as u64
         {
             return plan_err!(

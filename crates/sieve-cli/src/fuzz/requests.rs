@@ -1460,7 +1460,7 @@ fn mutated(random: &mut SeededRandom, view: &NodeView, pool: &Pool) -> Generated
     let original = &pool.bodies[random.below(pool.bodies.len())];
     let mut body = original.body.clone();
     let mut envelope = envelope_for(view, original.table, random, body.encode_to_vec());
-    let what = match random.below(14) {
+    let what = match random.below(15) {
         0..=2 => {
             let mut bytes = envelope.encode_to_vec();
             let done = mutate_bytes(random, &mut bytes);
@@ -1576,6 +1576,11 @@ fn mutated(random: &mut SeededRandom, view: &NodeView, pool: &Pool) -> Generated
                 format!("table {:?}", envelope.table)
             }
         },
+        13 => {
+            let (part, what) = join_filter_part(random, &view.tables[original.table]);
+            envelope.join_filter_part = part;
+            what
+        }
         _ => {
             body.schema_fingerprint = random.next_u64();
             envelope.body = body.encode_to_vec();
@@ -1585,6 +1590,60 @@ fn mutated(random: &mut SeededRandom, view: &NodeView, pool: &Pool) -> Generated
     Generated {
         request: Request::DoGet(envelope.encode_to_vec()),
         what: format!("{} {what}", original.what),
+    }
+}
+
+/// A join filter part (envelope field 13) for `table`: a window of a key
+/// bitmap over one of its integer columns, its bytes often damaged before
+/// or after compression, or a window whose decompressed size passes the
+/// bound, or random bytes.
+fn join_filter_part(random: &mut SeededRandom, table: &NodeTable) -> (Vec<u8>, String) {
+    let column = table
+        .schema
+        .fields()
+        .iter()
+        .position(|field| sieve_fragment::KeyBitmapExpr::supports(field.data_type()));
+    let window = column.and_then(|column| {
+        let field = table.schema.field(column);
+        let keys: arrow::array::ArrayRef = Arc::new(arrow::array::Int64Array::from_iter_values(
+            (0..1000).map(|_| random.below(100) as i64 * random.below(5_000) as i64),
+        ));
+        let bitmap = sieve_fragment::KeyBitmapExpr::try_new(
+            Arc::new(Column::new(field.name(), column)),
+            field.data_type().clone(),
+            &keys,
+        )
+        .ok()?;
+        let low = random.below(500_000) as i64;
+        let filter: Arc<dyn PhysicalExpr> =
+            Arc::new(bitmap.window(low, low + random.below(200_000) as i64));
+        JoinFilterRegistration::encode(&table.name, &table.schema, &filter)
+            .ok()
+            .map(|(bytes, _)| bytes)
+    });
+    match (window, random.below(5)) {
+        (Some(mut bytes), 0 | 1) => {
+            let done = mutate_bytes(random, &mut bytes);
+            let part = JoinFilterRegistration::compress(&bytes).unwrap_or_default();
+            (part, format!("join filter part bytes {done}"))
+        }
+        (Some(bytes), 2) => {
+            let mut part = JoinFilterRegistration::compress(&bytes).unwrap_or_default();
+            let done = mutate_bytes(random, &mut part);
+            (part, format!("compressed join filter part {done}"))
+        }
+        (Some(_), 3) => {
+            let zeros = vec![0u8; sieve_fragment::JOIN_FILTER_PART_BYTES_MAX + 1];
+            let part = JoinFilterRegistration::compress(&zeros).unwrap_or_default();
+            (part, "join filter part past its bound".into())
+        }
+        _ => {
+            let length = random.below(4096);
+            (
+                random_bytes(random, length),
+                "random join filter part".into(),
+            )
+        }
     }
 }
 

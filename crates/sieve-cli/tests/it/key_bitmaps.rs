@@ -309,8 +309,8 @@ async fn create_wide_tables(session: &SieveSession, reference: &SessionContext) 
         .await
         .unwrap();
     common::create_owned_tables(
-        &session,
-        &reference,
+        session,
+        reference,
         vec![("wide_fact", wide_fact), ("wide_dim", wide_dim)],
         "slice_rows = 5000, page_rows = 512, replicas = 1",
     )
