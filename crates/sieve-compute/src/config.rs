@@ -55,6 +55,10 @@ extensions_options! {
         /// can satisfy its predicate and join filters: no request is sent
         /// for them. Off, every slice is asked and its node skips its pages.
         pub slice_pruning: bool, default = true
+        /// Return the memory freed to the operating system when the last
+        /// statement running in the process ends (glibc's `malloc_trim`),
+        /// so that each query's peak is its own and a server idles small.
+        pub release_memory_after_statements: bool, default = true
         /// Push a star join only if its build sides' rows are at most this
         /// share of the probe table's mean rows per slice: every slice
         /// builds the hash tables again, and past it a join filter does

@@ -244,6 +244,7 @@ pub fn session_over(
         .with_physical_optimizer_rule(Arc::new(crate::PushStarJoinToStorage))
         .with_physical_optimizer_rule(Arc::new(crate::SpillHashJoins))
         .with_physical_optimizer_rule(Arc::new(StartScansEarly))
+        .with_query_planner(Arc::new(crate::memory::ReleaseMemoryPlanner))
         .build();
     let context = SessionContext::new_with_state(state);
     for benchmark in sieve_format::Benchmark::ALL {

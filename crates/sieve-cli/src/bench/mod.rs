@@ -29,7 +29,7 @@ pub mod streams;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use datafusion::common::{exec_err, plan_err, Result};
 use datafusion::prelude::SessionConfig;
@@ -481,6 +481,9 @@ impl Measure<'_> {
             (Mode::DuckDb, Some(duck)) => duck.pid.to_string(),
             _ => "self".to_string(),
         };
+        // The previous statement's memory is back with the system before
+        // this one's peak is measured (`sieve.release_memory_after_statements`).
+        sieve_compute::memory::release_settled(Duration::from_secs(10)).await;
         nodes::reset_peak_rss(&compute_pid);
         for node in self.processes {
             nodes::reset_peak_rss(&node.pid.to_string());

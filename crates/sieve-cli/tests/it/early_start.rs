@@ -15,7 +15,7 @@ use crate::common;
 use crate::plans;
 
 use common::NODES;
-use plans::{find_scans, metric, physical_plan};
+use plans::{below_statement_end, find_scans, metric, physical_plan};
 
 /// The SQL name of the table `scan` reads.
 fn table(scan: &Arc<dyn ExecutionPlan>) -> String {
@@ -44,7 +44,8 @@ async fn small_scans_start_with_the_query_and_answers_stay_plain_datafusions() {
     // Q16: supplier and part start with the query; partsupp waits for
     // part's join keys, so it cannot.
     let physical = physical_plan(&session, q16).await;
-    let root = physical
+    let root = below_statement_end(&physical);
+    let root = root
         .downcast_ref::<EarlyStartExec>()
         .expect("the root starts scans early");
     let mut early: Vec<String> = root
@@ -90,7 +91,9 @@ async fn small_scans_start_with_the_query_and_answers_stay_plain_datafusions() {
         .await
         .unwrap();
     let physical = physical_plan(&session, q16).await;
-    assert!(physical.downcast_ref::<EarlyStartExec>().is_none());
+    assert!(below_statement_end(&physical)
+        .downcast_ref::<EarlyStartExec>()
+        .is_none());
     let batches = collect(physical, session.context.task_ctx()).await.unwrap();
     assert_eq!(rows_as_text(&batches, false).unwrap(), expected);
 }
@@ -120,7 +123,8 @@ async fn a_scan_started_early_but_never_read_is_dropped_with_the_query() {
     let sql = "select count(*) from orders, customer \
                where o_custkey = c_custkey and c_name = 'nobody'";
     let plan = physical_plan(&session, sql).await;
-    let root = plan
+    let root = below_statement_end(&plan);
+    let root = root
         .downcast_ref::<EarlyStartExec>()
         .expect("the root starts scans early");
     assert!(

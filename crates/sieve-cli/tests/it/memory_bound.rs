@@ -6,11 +6,14 @@
 //! fails with a clear error and leaves the session usable.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use datafusion::execution::memory_pool::MemoryLimit;
 use datafusion::physical_plan::{collect, ExecutionPlan};
+use futures::StreamExt;
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context, rows_as_text, run};
+use sieve_compute::memory::{release_settled, statement_releases};
 use sieve_compute::SieveSession;
 
 use crate::common;
@@ -127,4 +130,105 @@ async fn a_build_side_past_the_pool_spills_and_one_that_cannot_be_split_is_a_cle
         .unwrap();
     let actual = rows_as_text(&run(&session.context, join).await.unwrap(), false).unwrap();
     assert_eq!(actual, expected);
+}
+
+/// Waits, at most 10 s, until `count` releases have run since the process
+/// started, and returns how many have.
+async fn releases_reaching(count: u64) -> u64 {
+    let start = std::time::Instant::now();
+    while statement_releases() < count && start.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    release_settled(Duration::from_secs(10)).await;
+    statement_releases()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn freed_memory_goes_back_when_the_last_statement_ends() {
+    let root = common::small_slices(1);
+    let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
+    let session = cluster.session().await.unwrap();
+    let reference = reference_context(&root, NODES).await.unwrap();
+    // One output stream a statement: a statement open is a stream the test
+    // holds (with more, DataFusion runs each partition's in a task of its
+    // own, and one may end before the others).
+    session
+        .apply_settings(&["datafusion.execution.target_partitions=1".into()])
+        .unwrap();
+    release_settled(Duration::from_secs(10)).await;
+    let before = statement_releases();
+
+    // A statement run to its end: its answer as plain DataFusion's, then
+    // one release.
+    let sql = "select l_returnflag, count(*), sum(l_quantity) from lineitem group by 1 order by 1";
+    let expected = rows_as_text(&run(&reference, sql).await.unwrap(), false).unwrap();
+    let actual = rows_as_text(&run(&session.context, sql).await.unwrap(), false).unwrap();
+    assert_eq!(actual, expected);
+    assert_eq!(releases_reaching(before + 1).await, before + 1);
+
+    // Two statements open at once, each dropped after its first batch: no
+    // release while either is open, one when the last is dropped.
+    let open = |sql: &'static str| {
+        let context = session.context.clone();
+        async move {
+            let mut stream = context
+                .sql(sql)
+                .await
+                .unwrap()
+                .execute_stream()
+                .await
+                .unwrap();
+            stream.next().await.unwrap().unwrap();
+            stream
+        }
+    };
+    let first = open("select l_orderkey, l_comment from lineitem").await;
+    let second = open("select o_orderkey, o_comment from orders").await;
+    drop(first);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    release_settled(Duration::from_secs(10)).await;
+    assert_eq!(
+        statement_releases(),
+        before + 1,
+        "released while a statement was still open"
+    );
+    drop(second);
+    assert_eq!(releases_reaching(before + 2).await, before + 2);
+
+    // A failed statement ends too.
+    let error = run(
+        &session.context,
+        "select cast(l_comment as int) from lineitem",
+    )
+    .await
+    .unwrap_err();
+    assert!(error.to_string().contains("Cast"), "{error}");
+    assert_eq!(releases_reaching(before + 3).await, before + 3);
+
+    // Plans shown do not show the statement's end.
+    let explain = rows_as_text(
+        &run(
+            &session.context,
+            "explain select count(*) from lineitem where l_quantity > 10",
+        )
+        .await
+        .unwrap(),
+        false,
+    )
+    .unwrap()
+    .join("\n");
+    assert!(!explain.contains("StatementEndExec"), "{explain}");
+    assert!(explain.contains("SieveScanExec"), "{explain}");
+    let after_explain = releases_reaching(before + 4).await;
+    assert_eq!(after_explain, before + 4);
+
+    // Off: no release.
+    session
+        .apply_settings(&["sieve.release_memory_after_statements=false".into()])
+        .unwrap();
+    let actual = rows_as_text(&run(&session.context, sql).await.unwrap(), false).unwrap();
+    assert_eq!(actual, expected);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    release_settled(Duration::from_secs(10)).await;
+    assert_eq!(statement_releases(), after_explain);
 }

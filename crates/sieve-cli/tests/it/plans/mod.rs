@@ -18,6 +18,16 @@ pub(crate) async fn physical_plan(session: &SieveSession, sql: &str) -> Arc<dyn 
         .unwrap()
 }
 
+/// The statement's own plan below the root every Sieve plan has
+/// (`StatementEndExec`, which returns freed memory when it ends).
+pub(crate) fn below_statement_end(plan: &Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {
+    Arc::clone(
+        plan.downcast_ref::<sieve_compute::memory::StatementEndExec>()
+            .expect("a Sieve plan's root is its StatementEndExec")
+            .input(),
+    )
+}
+
 /// Every `SieveScanExec` in `plan`, in plan order.
 pub(crate) fn find_scans(plan: &Arc<dyn ExecutionPlan>, found: &mut Vec<Arc<dyn ExecutionPlan>>) {
     if plan.downcast_ref::<SieveScanExec>().is_some() {
