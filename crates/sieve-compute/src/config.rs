@@ -55,10 +55,15 @@ extensions_options! {
         /// can satisfy its predicate and join filters: no request is sent
         /// for them. Off, every slice is asked and its node skips its pages.
         pub slice_pruning: bool, default = true
-        /// Return the memory freed to the operating system when the last
-        /// statement running in the process ends (glibc's `malloc_trim`),
-        /// so that each query's peak is its own and a server idles small.
+        /// Return the memory freed to the operating system when the
+        /// process goes idle after its statements (glibc's `malloc_trim`),
+        /// so that a server between queries holds only what it keeps.
         pub release_memory_after_statements: bool, default = true
+        /// How long the process must run no statement after the last one
+        /// ended before the memory is returned, in milliseconds: memory
+        /// returned is touched again by the next statement, so statements
+        /// run back to back keep it. 0: at once at every statement's end.
+        pub release_memory_idle_ms: u64, default = 1000
         /// Push a star join only if its build sides' rows are at most this
         /// share of the probe table's mean rows per slice: every slice
         /// builds the hash tables again, and past it a join filter does

@@ -116,7 +116,8 @@ pub fn runtime_with_memory_limit(runtime: &RuntimeEnv, value: &str) -> Result<Ar
 
 /// DataFusion's own query planner, with each plan's root wrapped in a
 /// [`StatementEndExec`] (unless `sieve.release_memory_after_statements` is
-/// off): when the last statement running in the process ends, the memory
+/// off): when the process has run no statement for
+/// `sieve.release_memory_idle_ms` after the last one ended, the memory
 /// freed goes back to the operating system. The wrapper sits above
 /// `EXPLAIN`'s and `EXPLAIN ANALYZE`'s own roots, so plans shown do not
 /// show it.
@@ -133,9 +134,12 @@ impl QueryPlanner for ReleaseMemoryPlanner {
         let plan = DefaultPhysicalPlanner::default()
             .create_physical_plan(logical_plan, session)
             .await?;
-        let release = SieveConfig::of(session.config().options()).release_memory_after_statements;
-        Ok(if release {
-            Arc::new(StatementEndExec { input: plan })
+        let sieve = SieveConfig::of(session.config().options());
+        Ok(if sieve.release_memory_after_statements {
+            Arc::new(StatementEndExec {
+                input: plan,
+                idle: std::time::Duration::from_millis(sieve.release_memory_idle_ms),
+            })
         } else {
             plan
         })
@@ -144,11 +148,19 @@ impl QueryPlanner for ReleaseMemoryPlanner {
 
 /// A statement's root: passes its input's batches on, and counts the
 /// statement's output streams open in the process. When the last one ends
-/// (drained, failed or dropped), [`release_freed_memory`] runs on a
-/// blocking thread.
+/// (drained, failed or dropped) and no statement starts within `idle`
+/// after it, [`release_freed_memory`] runs on a blocking thread.
+///
+/// Why wait: memory returned is memory the next statement touches again,
+/// page by page. Returned after every statement, TPC-H SF 10's 22 queries
+/// run back to back took 4% to 19% longer (compute CPU 13% to 38% more);
+/// waiting for the process to go idle keeps that cost out of statements
+/// that follow one another, and a server still gives its memory back
+/// between bursts.
 #[derive(Debug)]
 pub struct StatementEndExec {
     input: Arc<dyn ExecutionPlan>,
+    idle: std::time::Duration,
 }
 
 impl StatementEndExec {
@@ -208,6 +220,7 @@ impl ExecutionPlan for StatementEndExec {
         };
         Ok(Arc::new(Self {
             input: Arc::clone(input),
+            idle: self.idle,
         }))
     }
 
@@ -217,7 +230,7 @@ impl ExecutionPlan for StatementEndExec {
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
         let stream = self.input.execute(partition, context)?;
-        let open = OpenStatement::begin();
+        let open = OpenStatement::begin(self.idle);
         let schema = stream.schema();
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             schema,
@@ -231,6 +244,9 @@ impl ExecutionPlan for StatementEndExec {
 
 /// Statement output streams open in this process.
 static STATEMENTS_OPEN: AtomicUsize = AtomicUsize::new(0);
+/// Statement output streams begun since the process started: a release
+/// waiting for the process to go idle checks that none began meanwhile.
+static STATEMENTS_BEGUN: AtomicU64 = AtomicU64::new(0);
 /// A release running: at most one at a time.
 static RELEASING: AtomicBool = AtomicBool::new(false);
 /// Releases run since the process started.
@@ -253,14 +269,18 @@ pub async fn release_settled(bound: std::time::Duration) {
     }
 }
 
-/// One open statement output stream; the last to drop releases memory.
+/// One open statement output stream; the last to drop releases memory
+/// once the process has been idle for `idle`.
 #[derive(Debug)]
-struct OpenStatement;
+struct OpenStatement {
+    idle: std::time::Duration,
+}
 
 impl OpenStatement {
-    fn begin() -> Self {
+    fn begin(idle: std::time::Duration) -> Self {
+        STATEMENTS_BEGUN.fetch_add(1, Ordering::AcqRel);
         STATEMENTS_OPEN.fetch_add(1, Ordering::AcqRel);
-        Self
+        Self { idle }
     }
 }
 
@@ -269,6 +289,31 @@ impl Drop for OpenStatement {
         if STATEMENTS_OPEN.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
         }
+        if self.idle.is_zero() {
+            release_in_background();
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            release_in_background();
+            return;
+        };
+        let begun = STATEMENTS_BEGUN.load(Ordering::Acquire);
+        let idle = self.idle;
+        drop(runtime.spawn(async move {
+            tokio::time::sleep(idle).await;
+            if STATEMENTS_OPEN.load(Ordering::Acquire) == 0
+                && STATEMENTS_BEGUN.load(Ordering::Acquire) == begun
+            {
+                release_in_background();
+            }
+        }));
+    }
+}
+
+/// Return freed memory on a blocking thread (at once without a runtime),
+/// unless a release is running already.
+fn release_in_background() {
+    {
         if RELEASING.swap(true, Ordering::AcqRel) {
             return;
         }

@@ -481,8 +481,10 @@ impl Measure<'_> {
             (Mode::DuckDb, Some(duck)) => duck.pid.to_string(),
             _ => "self".to_string(),
         };
-        // The previous statement's memory is back with the system before
-        // this one's peak is measured (`sieve.release_memory_after_statements`).
+        // A release the previous statement started (with
+        // `--set sieve.release_memory_idle_ms=0`; by default queries run
+        // back to back keep their memory) ends before this one's peak is
+        // measured.
         sieve_compute::memory::release_settled(Duration::from_secs(10)).await;
         nodes::reset_peak_rss(&compute_pid);
         for node in self.processes {

@@ -152,8 +152,13 @@ async fn freed_memory_goes_back_when_the_last_statement_ends() {
     // One output stream a statement: a statement open is a stream the test
     // holds (with more, DataFusion runs each partition's in a task of its
     // own, and one may end before the others).
+    // Released at once at each statement's end (idle 0) here; the wait for
+    // the process to go idle is the last part.
     session
-        .apply_settings(&["datafusion.execution.target_partitions=1".into()])
+        .apply_settings(&[
+            "datafusion.execution.target_partitions=1".into(),
+            "sieve.release_memory_idle_ms=0".into(),
+        ])
         .unwrap();
     release_settled(Duration::from_secs(10)).await;
     let before = statement_releases();
@@ -222,13 +227,35 @@ async fn freed_memory_goes_back_when_the_last_statement_ends() {
     let after_explain = releases_reaching(before + 4).await;
     assert_eq!(after_explain, before + 4);
 
+    // Waiting for the process to go idle (the default): statements that
+    // follow one another within the wait are released once, after the
+    // last; none while the wait runs.
+    session
+        .apply_settings(&["sieve.release_memory_idle_ms=1500".into()])
+        .unwrap();
+    for _ in 0..3 {
+        let actual = rows_as_text(&run(&session.context, sql).await.unwrap(), false).unwrap();
+        assert_eq!(actual, expected);
+    }
+    assert_eq!(
+        statement_releases(),
+        after_explain,
+        "released before the process went idle"
+    );
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let after_idle = releases_reaching(after_explain + 1).await;
+    assert_eq!(after_idle, after_explain + 1, "one release after the burst");
+
     // Off: no release.
     session
-        .apply_settings(&["sieve.release_memory_after_statements=false".into()])
+        .apply_settings(&[
+            "sieve.release_memory_after_statements=false".into(),
+            "sieve.release_memory_idle_ms=0".into(),
+        ])
         .unwrap();
     let actual = rows_as_text(&run(&session.context, sql).await.unwrap(), false).unwrap();
     assert_eq!(actual, expected);
     tokio::time::sleep(Duration::from_millis(200)).await;
     release_settled(Duration::from_secs(10)).await;
-    assert_eq!(statement_releases(), after_explain);
+    assert_eq!(statement_releases(), after_idle);
 }
