@@ -24,11 +24,11 @@
 //! join filters are in the pool (consumer `BuildKeys`), and bounded by
 //! `sieve.join_filter_keys_max` distinct keys per column.
 //!
-//! What a statement freed goes back to the operating system when it ends
-//! ([`ReleaseMemoryPlanner`]): glibc keeps freed heap memory for later
-//! allocations, so without it each query would start from the resident
-//! memory of the largest before it (TPC-H SF 100: a floor of 784 MB after
-//! Q16 for queries that need less).
+//! What statements freed goes back to the operating system once the
+//! process is idle ([`ReleaseMemoryPlanner`]): glibc keeps freed heap
+//! memory for later allocations, so without it a server between queries
+//! holds the resident memory of the largest query it ran (TPC-H SF 100: a
+//! floor of 784 MB after Q16).
 
 use std::fmt;
 use std::num::NonZeroUsize;
@@ -178,7 +178,8 @@ impl DisplayAs for StatementEndExec {
     ) -> fmt::Result {
         write!(
             formatter,
-            "StatementEndExec: freed memory returned when the last statement ends"
+            "StatementEndExec: freed memory returned once no statement runs for {} ms",
+            self.idle.as_millis()
         )
     }
 }
@@ -252,9 +253,8 @@ static RELEASING: AtomicBool = AtomicBool::new(false);
 /// Releases run since the process started.
 static RELEASES: AtomicU64 = AtomicU64::new(0);
 
-/// How many times the freed memory was returned at a statement's end
-/// since the process started (a release already running is not started
-/// again).
+/// How many times the freed memory was returned since the process
+/// started (a release already running is not started again).
 pub fn statement_releases() -> u64 {
     RELEASES.load(Ordering::Acquire)
 }
@@ -313,22 +313,20 @@ impl Drop for OpenStatement {
 /// Return freed memory on a blocking thread (at once without a runtime),
 /// unless a release is running already.
 fn release_in_background() {
-    {
-        if RELEASING.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        // The flag is cleared when the release ends or, if its runtime shuts
-        // down before it runs, when the dropped task drops its token.
-        let token = Releasing;
-        let release = move || {
-            let _token = token;
-            release_freed_memory();
-            RELEASES.fetch_add(1, Ordering::AcqRel);
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn_blocking(release)),
-            Err(_) => release(),
-        }
+    if RELEASING.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    // The flag is cleared when the release ends or, if its runtime shuts
+    // down before it runs, when the dropped task drops its token.
+    let token = Releasing;
+    let release = move || {
+        let _token = token;
+        release_freed_memory();
+        RELEASES.fetch_add(1, Ordering::AcqRel);
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn_blocking(release)),
+        Err(_) => release(),
     }
 }
 
