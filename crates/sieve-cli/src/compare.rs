@@ -126,6 +126,10 @@ pub async fn reference_context_for(
         let Some(schema) = schema.or(catalog_schema) else {
             return plan_err!("table {table} has no slice under {}", root.display());
         };
+        // MemTable wants at least one partition, even an empty one.
+        if partitions.is_empty() {
+            partitions.push(Vec::new());
+        }
         context.register_table(table, Arc::new(MemTable::try_new(schema, partitions)?))?;
     }
     Ok(context)

@@ -150,3 +150,33 @@ async fn a_filter_over_both_sides_of_a_self_join_stays_above_it() {
     }
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// A table loaded through the write path with no rows has no slice; the
+/// reference must still see it, empty, rather than fail the whole run
+/// (fuzzer seed 20261127, schema 2: tables of 1,682, 0, 64 and 655 rows;
+/// the run stopped with "No partitions provided").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_without_rows_is_compared_empty() {
+    use sieve_cli::fuzz::{run_fuzz, FuzzOptions, Mode};
+    let data = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fuzz-empty-table");
+    std::fs::create_dir_all(&data).expect("data directory");
+    let options = FuzzOptions {
+        data_directory: Some(data),
+        modes: vec![Mode::Default, Mode::NdpOff],
+        only_schema: Some(2),
+        progress: false,
+        ..FuzzOptions::new(20_261_127, 3, 25)
+    };
+    let report = run_fuzz(&options).await.expect("the fuzzer runs");
+    assert!(report.queries > 0, "{}", report.summary());
+    assert!(
+        report.mismatches.is_empty(),
+        "{}",
+        report
+            .mismatches
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
