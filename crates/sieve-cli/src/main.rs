@@ -251,6 +251,13 @@ enum Command {
         /// Only this query index in each schema (to reproduce a mismatch).
         #[arg(long = "query")]
         only_query: Option<usize>,
+        /// A session setting for every Sieve mode, after the mode's own,
+        /// e.g. --set sieve.early_start_rows_max=0 (repeatable).
+        #[arg(long = "set")]
+        settings: Vec<String>,
+        /// Print each mismatching mode's EXPLAIN with the mismatch.
+        #[arg(long)]
+        explain: bool,
     },
     /// Malformed and hostile requests against one storage node (Flight and
     /// the byte-range endpoint), each answer classified, with health checks.
@@ -654,6 +661,8 @@ async fn run(cli: Cli) -> Result<()> {
             modes,
             only_schema,
             only_query,
+            settings,
+            explain,
         } => {
             let options = FuzzOptions {
                 data_directory: data,
@@ -663,6 +672,8 @@ async fn run(cli: Cli) -> Result<()> {
                     .collect::<Result<_>>()?,
                 only_schema,
                 only_query,
+                settings,
+                explain,
                 ..FuzzOptions::new(seed, schemas, queries_per_schema)
             };
             let report = run_fuzz(&options).await?;

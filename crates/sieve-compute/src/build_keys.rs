@@ -105,6 +105,9 @@ enum Stopped {
     /// A column's keys went over to a bitmap, and a later key widened its
     /// range past [`KEY_BITMAP_BYTES_MAX`].
     RangeTooWide,
+    /// A build partition's stream was dropped before its end: its keys are
+    /// unknown.
+    PartitionDropped,
 }
 
 /// One key column's values: those distinct ones a compaction left, and
@@ -384,6 +387,10 @@ pub enum CollectedKeys {
     /// A column's keys, kept as a bitmap, spread over a range wider than a
     /// bitmap may be, after this many build rows.
     TooWide(usize),
+    /// A build partition was dropped before its end (its join partition
+    /// was never run, or the query was cancelled), after this many build
+    /// rows.
+    PartitionDropped(usize),
     /// Some build partition has not been read to its end.
     Incomplete,
 }
@@ -415,6 +422,22 @@ impl BuildKeys {
     /// Whether a partition of the join spilled its build side.
     pub fn spilled(&self) -> bool {
         self.spilled.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Count a build partition that will not be read to its end: its
+    /// stream was dropped first, or never made (a join partition that
+    /// nothing polled, see `SpillableHashJoinExec`). Its keys are unknown,
+    /// so the keys make no membership test; waiters wake as for a partition
+    /// that finished.
+    pub fn abandon_partition(&self) {
+        {
+            let mut state = self.state.lock().expect("never poisoned");
+            state.finished += 1;
+            if state.stopped.is_none() {
+                self.stop(&mut state, Stopped::PartitionDropped);
+            }
+        }
+        self.finished.notify_waiters();
     }
 
     /// Returns once every build partition has been read to its end (never,
@@ -590,6 +613,7 @@ impl BuildKeys {
             Some(Stopped::TooManyKeys) => CollectedKeys::TooMany(state.rows),
             Some(Stopped::MemoryRefused) => CollectedKeys::MemoryRefused(state.rows),
             Some(Stopped::RangeTooWide) => CollectedKeys::TooWide(state.rows),
+            Some(Stopped::PartitionDropped) => CollectedKeys::PartitionDropped(state.rows),
             None => CollectedKeys::Keys(state.columns.iter().map(KeyColumn::keys).collect()),
         }
     }
@@ -802,7 +826,7 @@ impl ExecutionPlan for BuildKeysExec {
         let schema = input.schema();
         let keys = self.keys.clone();
         let collector = Arc::clone(&self.collector);
-        let mut finisher = Some(Arc::clone(&self.collector));
+        let mut finisher = PartitionEnd(Some(Arc::clone(&self.collector)));
         let tapped = input
             .map(move |batch| {
                 let batch = batch?;
@@ -815,12 +839,28 @@ impl ExecutionPlan for BuildKeysExec {
             })
             .chain(futures::stream::poll_fn(move |_| {
                 // Counted once, however often the ended stream is polled.
-                match finisher.take().map(|finisher| finisher.finish_partition()) {
+                match finisher
+                    .0
+                    .take()
+                    .map(|finisher| finisher.finish_partition())
+                {
                     Some(Err(error)) => std::task::Poll::Ready(Some(Err(error))),
                     _ => std::task::Poll::Ready(None),
                 }
             }));
         Ok(Box::pin(RecordBatchStreamAdapter::new(schema, tapped)))
+    }
+}
+
+/// Counts one build partition's end with its collector: read to the end
+/// (taken by the stream), or dropped before it (on drop).
+struct PartitionEnd(Option<Arc<BuildKeys>>);
+
+impl Drop for PartitionEnd {
+    fn drop(&mut self) {
+        if let Some(collector) = self.0.take() {
+            collector.abandon_partition();
+        }
     }
 }
 

@@ -48,6 +48,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use arrow::array::{RecordBatch, UInt32Array};
@@ -252,6 +253,15 @@ impl ExecutionPlan for SpillableHashJoinExec {
             // A rule after ours rebuilt the join's children: run it as is.
             return self.join.execute(partition, context);
         };
+        let progress = Arc::new(AtomicU8::new(NOTHING_OPENED));
+        let unstarted = ReportIfNeverStarted {
+            join: Arc::clone(&self.join),
+            build: build.clone(),
+            probe: probe.clone(),
+            partition,
+            context: Arc::clone(&context),
+            progress: Arc::clone(&progress),
+        };
         let run = JoinPartition {
             join: Arc::clone(&self.join),
             build,
@@ -261,12 +271,76 @@ impl ExecutionPlan for SpillableHashJoinExec {
             budget: self.budget,
             spill: SpillMetrics::new(&self.metrics, partition),
             parts: MetricBuilder::new(&self.metrics).counter("spilled_join_parts", partition),
+            progress,
         };
-        let stream = futures::stream::once(run.run()).try_flatten();
+        let stream = futures::stream::once(run.run())
+            .try_flatten()
+            .map(move |batch| {
+                let _ = &unstarted;
+                batch
+            });
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             self.join.schema(),
             stream,
         )))
+    }
+}
+
+/// Runs DataFusion's join partition, empty, when a [`SpillableHashJoinExec`]
+/// partition is dropped before it ran it.
+///
+/// A partitioned `HashJoinExec` with a dynamic filter holds every partition
+/// at a barrier until each has reported its build side, or been dropped
+/// (reported cancelled). DataFusion starts a join partition's stream when
+/// the partition is executed; this wrapper starts it only once it has read
+/// the build side, when first polled. A consumer that never polls it (a
+/// join above whose build side came out empty, which then skips its probe
+/// side) would leave the other partitions of this join waiting forever:
+/// the query hung (fuzzer seed 20261127, schemas 8 and 10). Executing the
+/// join over empty inputs and dropping the stream reports the partition
+/// cancelled, as DataFusion's own stream does when dropped; its probe rows
+/// are nobody's, since nothing reads this partition.
+struct ReportIfNeverStarted {
+    join: Arc<dyn ExecutionPlan>,
+    build: JoinInputExec,
+    probe: JoinInputExec,
+    partition: usize,
+    context: Arc<TaskContext>,
+    /// How far [`JoinPartition::run`] got.
+    progress: Arc<AtomicU8>,
+}
+
+/// [`JoinPartition::run`] has opened nothing yet.
+const NOTHING_OPENED: u8 = 0;
+/// It opened the build input (whose stream counts its own end with the key
+/// collector).
+const BUILD_OPENED: u8 = 1;
+/// It executed DataFusion's join partition.
+const JOIN_EXECUTED: u8 = 2;
+
+impl Drop for ReportIfNeverStarted {
+    fn drop(&mut self) {
+        let progress = self.progress.swap(JOIN_EXECUTED, Ordering::AcqRel);
+        if progress == JOIN_EXECUTED {
+            return;
+        }
+        // A build input never opened leaves its key collector a partition
+        // short: counted as dropped, its keys make no membership test and
+        // the probe scan stops waiting for them.
+        if progress == NOTHING_OPENED {
+            if let Some(keys) = self.build.input.downcast_ref::<BuildKeysExec>() {
+                keys.collector().abandon_partition();
+            }
+        }
+        self.build.hand_over(
+            self.partition,
+            Box::pin(EmptyRecordBatchStream::new(self.build.input.schema())),
+        );
+        self.probe.hand_over(
+            self.partition,
+            Box::pin(EmptyRecordBatchStream::new(self.probe.input.schema())),
+        );
+        drop(self.join.execute(self.partition, Arc::clone(&self.context)));
     }
 }
 
@@ -280,6 +354,8 @@ struct JoinPartition {
     budget: usize,
     spill: SpillMetrics,
     parts: Count,
+    /// How far it got (see [`ReportIfNeverStarted`]).
+    progress: Arc<AtomicU8>,
 }
 
 /// A build batch's view columns are compacted when their buffers hold more
@@ -305,6 +381,7 @@ impl JoinPartition {
             .build
             .input
             .execute(partition, Arc::clone(&self.context))?;
+        self.progress.store(BUILD_OPENED, Ordering::Release);
         let reservation = MemoryConsumer::new(format!("SpillableHashJoin[{partition}]"))
             .with_can_spill(true)
             .register(self.context.memory_pool());
@@ -335,6 +412,7 @@ impl JoinPartition {
                 partition,
                 Box::pin(RecordBatchStreamAdapter::new(schema, held)),
             );
+            self.progress.store(JOIN_EXECUTED, Ordering::Release);
             return self.join.execute(partition, Arc::clone(&self.context));
         }
 
@@ -357,6 +435,7 @@ impl JoinPartition {
             partition,
             Box::pin(EmptyRecordBatchStream::new(Arc::clone(&probe_schema))),
         );
+        self.progress.store(JOIN_EXECUTED, Ordering::Release);
         drop(self.join.execute(partition, Arc::clone(&self.context))?);
 
         let (build_keys, probe_keys): (Vec<_>, Vec<_>) = self

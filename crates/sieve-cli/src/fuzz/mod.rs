@@ -204,6 +204,12 @@ pub struct FuzzOptions {
     pub only_query: Option<usize>,
     /// Print a line per schema and every mismatch as it is found.
     pub progress: bool,
+    /// Session settings (`key=value`) for every Sieve mode, after the
+    /// mode's own: to narrow down which rewrite a mismatch needs.
+    pub settings: Vec<String>,
+    /// Each mismatch carries the mode's EXPLAIN (a query that hangs has
+    /// no EXPLAIN ANALYZE to show).
+    pub explain: bool,
 }
 
 impl FuzzOptions {
@@ -219,6 +225,8 @@ impl FuzzOptions {
             only_schema: None,
             only_query: None,
             progress: true,
+            settings: Vec::new(),
+            explain: false,
         }
     }
 }
@@ -243,6 +251,10 @@ pub struct Mismatch {
     pub tables: String,
     /// What differs: row counts and the first differing rows, or the error.
     pub difference: String,
+    /// The settings given to every mode ([`FuzzOptions::settings`]).
+    pub settings: Vec<String>,
+    /// The mode's EXPLAIN, when asked for ([`FuzzOptions::explain`]).
+    pub plan: Option<String>,
 }
 
 impl std::fmt::Display for Mismatch {
@@ -259,7 +271,7 @@ impl std::fmt::Display for Mismatch {
             "  seed {}, schema {} (schema seed {:#018x}), query {}",
             self.seed, self.schema_index, self.schema_seed, self.query_index
         )?;
-        writeln!(
+        write!(
             formatter,
             "  reproduce: sieve fuzz --seed {} --schemas {} --queries-per-schema {} --schema {} --query {} --modes {}",
             self.seed,
@@ -269,6 +281,10 @@ impl std::fmt::Display for Mismatch {
             self.query_index,
             self.mode.name()
         )?;
+        for setting in &self.settings {
+            write!(formatter, " --set {setting}")?;
+        }
+        writeln!(formatter)?;
         writeln!(formatter, "  tables:")?;
         write!(formatter, "{}", self.tables)?;
         writeln!(formatter, "  query: {}", self.query.sql)?;
@@ -279,7 +295,14 @@ impl std::fmt::Display for Mismatch {
                 self.query.approximate_columns
             )?;
         }
-        write!(formatter, "{}", self.difference)
+        write!(formatter, "{}", self.difference)?;
+        if let Some(plan) = &self.plan {
+            writeln!(formatter, "  plan in this mode:")?;
+            for line in plan.lines() {
+                writeln!(formatter, "    {line}")?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -438,7 +461,7 @@ struct Engines {
     clusters: Vec<EmbeddedCluster>,
 }
 
-async fn start_engines(root: &Path, modes: &[Mode]) -> Result<Engines> {
+async fn start_engines(root: &Path, modes: &[Mode], settings: &[String]) -> Result<Engines> {
     let mut clusters = Vec::new();
     let default = EmbeddedCluster::start(root, NODES).await?;
     let default_urls = default.urls();
@@ -482,6 +505,7 @@ async fn start_engines(root: &Path, modes: &[Mode]) -> Result<Engines> {
             }
             Mode::Default | Mode::Raw => {}
         }
+        session.apply_settings(settings)?;
         sessions.push((mode, session));
     }
     Ok(Engines { sessions, clusters })
@@ -515,7 +539,7 @@ async fn run_schema(
     } else {
         schema.write(root)?;
     }
-    let engines = start_engines(root, &options.modes).await?;
+    let engines = start_engines(root, &options.modes, &options.settings).await?;
     let reference = reference_context_for(root, NODES, &schema.table_names()).await?;
     let mismatches_before = report.mismatches.len();
     let plan_failures_before = report.reference_plan_failures;
@@ -602,6 +626,19 @@ async fn run_schema(
                 )),
             };
             if let Some(difference) = difference {
+                let plan = match options.explain {
+                    true => {
+                        match run_query(&session.context, &format!("EXPLAIN {}", query.sql)).await {
+                            Outcome::Rows(batches) => {
+                                Some(crate::compare::rows_as_text(&batches, false)?.join("\n"))
+                            }
+                            Outcome::PlanError(error) | Outcome::ExecutionError(error) => {
+                                Some(format!("EXPLAIN failed: {error}"))
+                            }
+                        }
+                    }
+                    false => None,
+                };
                 let mismatch = Mismatch {
                     seed: options.seed,
                     schema_index,
@@ -611,6 +648,8 @@ async fn run_schema(
                     mode: *mode,
                     tables: tables.clone(),
                     difference,
+                    settings: options.settings.clone(),
+                    plan,
                 };
                 if options.progress {
                     println!("{mismatch}");

@@ -222,6 +222,11 @@ pub(crate) async fn resolve(
                         "{rows} build rows, keys too many for values and too wide for a bitmap: no membership test"
                     ));
                 }
+                CollectedKeys::PartitionDropped(rows) => {
+                    collected_note = Some(format!(
+                        "{rows} build rows, a build partition dropped before its end: no membership test"
+                    ));
+                }
                 CollectedKeys::Incomplete => {}
             }
         }
@@ -321,6 +326,12 @@ async fn resolve_key_slot(
                 format!(
                     "none ({rows} build rows, keys too many for values and too wide for a bitmap)"
                 ),
+            ))
+        }
+        CollectedKeys::PartitionDropped(rows) => {
+            return Ok((
+                vec![],
+                format!("none ({rows} build rows, a build partition dropped before its end)"),
             ))
         }
         CollectedKeys::Incomplete => return Ok((vec![], "none (build side incomplete)".into())),
