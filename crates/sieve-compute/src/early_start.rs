@@ -278,14 +278,7 @@ impl ExecutionPlan for EarlyStartExec {
             guard
         };
         let stream = self.input.execute(partition, context)?;
-        let schema = stream.schema();
-        Ok(Box::pin(RecordBatchStreamAdapter::new(
-            schema,
-            stream.map(move |batch| {
-                let _ = &guard;
-                batch
-            }),
-        )))
+        Ok(crate::guarded::holding(stream, guard))
     }
 }
 

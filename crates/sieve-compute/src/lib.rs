@@ -35,6 +35,7 @@ mod deep;
 mod early_start;
 mod estimate;
 mod failover;
+mod guarded;
 mod join_filter;
 mod join_sides;
 mod late_columns;

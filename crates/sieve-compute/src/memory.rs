@@ -47,11 +47,9 @@ use datafusion::execution::runtime_env::{RuntimeEnv, RuntimeEnvBuilder};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::LogicalPlan;
 use datafusion::physical_expr::PhysicalExpr;
-use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
 use datafusion::physical_planner::{DefaultPhysicalPlanner, PhysicalPlanner};
 use datafusion::prelude::SessionContext;
-use futures::StreamExt;
 
 use crate::SieveConfig;
 
@@ -232,14 +230,7 @@ impl ExecutionPlan for StatementEndExec {
     ) -> Result<SendableRecordBatchStream> {
         let stream = self.input.execute(partition, context)?;
         let open = OpenStatement::begin(self.idle);
-        let schema = stream.schema();
-        Ok(Box::pin(RecordBatchStreamAdapter::new(
-            schema,
-            stream.map(move |batch| {
-                let _ = &open;
-                batch
-            }),
-        )))
+        Ok(crate::guarded::holding(stream, open))
     }
 }
 

@@ -273,16 +273,11 @@ impl ExecutionPlan for SpillableHashJoinExec {
             parts: MetricBuilder::new(&self.metrics).counter("spilled_join_parts", partition),
             progress,
         };
-        let stream = futures::stream::once(run.run())
-            .try_flatten()
-            .map(move |batch| {
-                let _ = &unstarted;
-                batch
-            });
-        Ok(Box::pin(RecordBatchStreamAdapter::new(
-            self.join.schema(),
-            stream,
-        )))
+        let stream = futures::stream::once(run.run()).try_flatten();
+        Ok(crate::guarded::holding(
+            Box::pin(RecordBatchStreamAdapter::new(self.join.schema(), stream)),
+            unstarted,
+        ))
     }
 }
 
