@@ -314,11 +314,7 @@ impl KeyBitmapExpr {
                 }
                 chunks.push((words.len() / KEY_BITMAP_CHUNK_WORDS) as u32);
             }
-            words.extend(
-                buffer
-                    .chunks_exact(8)
-                    .map(|word| u64::from_le_bytes(word.try_into().expect("chunks of 8"))),
-            );
+            words.extend(le_words(buffer));
             if ranges.is_some() {
                 // Every chunk kept is whole: the last one is padded (its
                 // values past `bits` are never looked up).
@@ -455,10 +451,7 @@ impl KeyBitmapExpr {
         for (at, chunk) in (first..first + kept).enumerate() {
             chunks[chunk] = at as u32;
         }
-        let words = bytes
-            .chunks_exact(8)
-            .map(|word| u64::from_le_bytes(word.try_into().expect("chunks of 8")))
-            .collect();
+        let words = le_words(bytes).collect();
         Ok(Self {
             input,
             data_type,
@@ -475,12 +468,7 @@ impl KeyBitmapExpr {
     fn whole_words(&self) -> std::borrow::Cow<'_, [u64]> {
         match &self.chunks {
             None => std::borrow::Cow::Borrowed(self.words.as_slice()),
-            Some(_) => std::borrow::Cow::Owned(
-                self.to_bytes()
-                    .chunks_exact(8)
-                    .map(|word| u64::from_le_bytes(word.try_into().expect("chunks of 8")))
-                    .collect(),
-            ),
+            Some(_) => std::borrow::Cow::Owned(le_words(&self.to_bytes()).collect()),
         }
     }
 
@@ -724,6 +712,14 @@ impl PhysicalExpr for KeyBitmapExpr {
     fn fmt_sql(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(formatter, "{self}")
     }
+}
+
+/// The little-endian 64-bit words of `bytes` (a trailing part shorter than a
+/// word is left out).
+fn le_words(bytes: &[u8]) -> impl Iterator<Item = u64> + '_ {
+    bytes
+        .chunks_exact(8)
+        .map(|word| u64::from_le_bytes(word.try_into().expect("chunks of 8")))
 }
 
 #[cfg(test)]
