@@ -37,6 +37,7 @@ mod estimate;
 mod failover;
 mod guarded;
 mod join_filter;
+mod join_order;
 mod join_sides;
 mod late_columns;
 pub mod memory;
@@ -69,6 +70,7 @@ pub use deep::{
 pub use early_start::{EarlyStartExec, StartScansEarly};
 pub use failover::FailoverSettings;
 pub use join_filter::{JoinFilterSettings, JoinFilterSlot, KeyFilterSlot};
+pub use join_order::OrderInnerJoins;
 pub use join_sides::BuildOnFilteredSide;
 pub use late_columns::JoinGroupColumnsLate;
 pub use optimizer::{PushAggregateToStorage, WaitForJoinFilters};

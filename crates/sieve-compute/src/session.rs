@@ -237,6 +237,7 @@ pub fn session_over(
         .with_analyzer_rules(crate::analyzer_rules_with_depth_limit())
         // Last: every owned table of a statement at one version.
         .with_analyzer_rule(Arc::new(crate::tables::ReadOneVersion))
+        .with_optimizer_rule(Arc::new(crate::OrderInnerJoins))
         .with_optimizer_rule(Arc::new(crate::JoinGroupColumnsLate))
         .with_physical_optimizer_rules(physical_rules_with_join_sides())
         .with_physical_optimizer_rule(Arc::new(PushAggregateToStorage))

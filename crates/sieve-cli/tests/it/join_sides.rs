@@ -82,6 +82,10 @@ async fn q9_builds_on_the_lineitem_rows_and_filters_orders() {
     let session = cluster.session().await.unwrap();
     let reference = reference_context(&root, NODES).await.unwrap();
     partitioned_joins(&session).await;
+    // The SQL's join order, the one this rule fixes (Sieve's own order,
+    // `sieve.order_joins`, joins part with partsupp first: tested in
+    // `join_order.rs`).
+    session.sql("SET sieve.order_joins = false").await.unwrap();
     let q9 = include_str!("../../../../queries/tpch/q9.sql");
 
     let plan = explain(&session.context, q9).await;

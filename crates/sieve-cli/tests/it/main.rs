@@ -31,6 +31,7 @@ mod gen;
 mod hostile_requests;
 mod integrity;
 mod join_filter_registry;
+mod join_order;
 mod join_sides;
 mod key_bitmaps;
 mod late_columns;
