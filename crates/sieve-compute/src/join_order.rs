@@ -118,14 +118,10 @@ fn order(plan: LogicalPlan, collect_rows_max: usize) -> Result<Transformed<Logic
         return plan.map_children(|child| order(child, collect_rows_max));
     }
     let mut region = Region::default();
+    // A tree is reordered only where every leaf is a table scan (under
+    // aliases and projections), so a reordered tree has no joins below its
+    // leaves; a tree kept has its leaves ordered inside.
     if region.collect(&plan) {
-        // The leaves are ordered first (a join tree under an aggregation or
-        // a subquery alias is a leaf here).
-        let leaves = std::mem::take(&mut region.leaves);
-        region.leaves = leaves
-            .into_iter()
-            .map(|leaf| order(leaf, collect_rows_max).map(|leaf| leaf.data))
-            .collect::<Result<_>>()?;
         // A plan this rule cannot rebuild is planned as it was: the rule is
         // an optimization, never a reason for a query to fail.
         match region.reorder(&plan, collect_rows_max) {

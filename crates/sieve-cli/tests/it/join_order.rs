@@ -12,12 +12,10 @@ use arrow::array::{ArrayRef, Int64Array, StringArray};
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow::record_batch::RecordBatch;
 use datafusion::prelude::SessionContext;
-use sieve_cli::cluster::EmbeddedCluster;
-use sieve_cli::compare::reference_context;
 use sieve_compute::SieveSession;
 
 use crate::common::{self, explain, NODES};
-use crate::join_sides::{check, partitioned_joins};
+use crate::join_sides::{check, partitioned_joins, scan_line, tpch_partitioned};
 
 async fn set_order(session: &SieveSession, on: bool) {
     session
@@ -36,20 +34,12 @@ fn logical(plan: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn q9_joins_part_with_partsupp_first() {
-    let root = common::small_slices(1);
-    let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
-    let session = cluster.session().await.unwrap();
-    let reference = reference_context(&root, NODES).await.unwrap();
-    partitioned_joins(&session).await;
+    let (cluster, session, reference) = tpch_partitioned().await;
     let q9 = include_str!("../../../../queries/tpch/q9.sql");
 
     let plan = explain(&session.context, q9).await;
-    let partsupp = plan
-        .lines()
-        .find(|line| line.contains("SieveScanExec: table=partsupp@"))
-        .unwrap_or_else(|| panic!("no partsupp scan in\n{plan}"));
     assert!(
-        partsupp.contains("join filter from part@"),
+        scan_line(&plan, "partsupp").contains("join filter from part@"),
         "partsupp should be cut by part's keys:\n{plan}"
     );
     let ordered = check(&session, &reference, q9, "partsupp").await;
@@ -57,10 +47,7 @@ async fn q9_joins_part_with_partsupp_first() {
     set_order(&session, false).await;
     let plan = explain(&session.context, q9).await;
     assert!(
-        !plan
-            .lines()
-            .any(|line| line.contains("SieveScanExec: table=partsupp@")
-                && line.contains("join filter from part@")),
+        !scan_line(&plan, "partsupp").contains("join filter from part@"),
         "{plan}"
     );
     let as_written = check(&session, &reference, q9, "partsupp").await;

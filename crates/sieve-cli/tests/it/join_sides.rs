@@ -38,7 +38,7 @@ async fn set_swap(session: &SieveSession, on: bool) {
 }
 
 /// The EXPLAIN line of the scan of `table`.
-fn scan_line<'a>(plan: &'a str, table: &str) -> &'a str {
+pub(crate) fn scan_line<'a>(plan: &'a str, table: &str) -> &'a str {
     plan.lines()
         .find(|line| line.contains(&format!("SieveScanExec: table={table}@")))
         .unwrap_or_else(|| panic!("no scan of {table} in\n{plan}"))
@@ -75,13 +75,20 @@ pub(crate) async fn check(
     rows
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn q9_builds_on_the_lineitem_rows_and_filters_orders() {
+/// The small TPC-H data on an embedded cluster, its session with
+/// partitioned joins, and plain DataFusion over the same files.
+pub(crate) async fn tpch_partitioned() -> (EmbeddedCluster, SieveSession, SessionContext) {
     let root = common::small_slices(1);
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
     let session = cluster.session().await.unwrap();
     let reference = reference_context(&root, NODES).await.unwrap();
     partitioned_joins(&session).await;
+    (cluster, session, reference)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn q9_builds_on_the_lineitem_rows_and_filters_orders() {
+    let (cluster, session, reference) = tpch_partitioned().await;
     // The SQL's join order, the one this rule fixes (Sieve's own order,
     // `sieve.order_joins`, joins part with partsupp first: tested in
     // `join_order.rs`).
