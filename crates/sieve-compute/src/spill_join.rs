@@ -439,16 +439,27 @@ impl JoinPartition {
             .iter()
             .map(|(build, probe)| (Arc::clone(build), Arc::clone(probe)))
             .unzip();
+        // Spill files are compressed as the session says
+        // (`datafusion.execution.spill_compression`), as DataFusion's own
+        // sorts and aggregations write theirs.
+        let compression = self
+            .context
+            .session_config()
+            .options()
+            .execution
+            .spill_compression;
         let build_spill = SpillManager::new(
             self.context.runtime_env(),
             self.spill.clone(),
             Arc::clone(&build_schema),
-        );
+        )
+        .with_compression_type(compression);
         let probe_spill = SpillManager::new(
             self.context.runtime_env(),
             self.spill.clone(),
             Arc::clone(&probe_schema),
-        );
+        )
+        .with_compression_type(compression);
 
         // Build rows by part: every part starts in memory; while they take
         // more than the budget (or the pool's share), the largest part
