@@ -188,9 +188,15 @@ pub fn generated(
     if is_generated(root, benchmark, nodes, replicas) {
         return Ok(root.to_path_buf());
     }
-    let staging = root.with_extension(format!("staging-{}", std::process::id()));
+    let staging = staging_directory(root, std::process::id());
     let _ = std::fs::remove_dir_all(&staging);
-    load(benchmark, &staging, scale_factor, nodes, replicas, layout)?;
+    remove_stale_stagings(root);
+    if let Err(error) = load(benchmark, &staging, scale_factor, nodes, replicas, layout) {
+        // A failed load (a full disk, a bad layout, an interrupted
+        // generator) leaves nothing behind: SF 100's reached 22 GB.
+        let _ = std::fs::remove_dir_all(&staging);
+        return Err(error);
+    }
     if std::fs::rename(&staging, root).is_err() {
         // Another process won, or an old load of another version is in the way.
         if !is_generated(root, benchmark, nodes, replicas) {
@@ -200,6 +206,49 @@ pub fn generated(
         let _ = std::fs::remove_dir_all(&staging);
     }
     Ok(root.to_path_buf())
+}
+
+/// Where process `pid` loads the data set for `root` before renaming it into
+/// place: `root`'s name with `.staging-PID` appended (never replacing a part
+/// of it: `tpch-sf0.01` and `tpch-sf0.1` get staging directories of their
+/// own).
+fn staging_directory(root: &Path, pid: u32) -> PathBuf {
+    let mut name = root.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".staging-{pid}"));
+    root.with_file_name(name)
+}
+
+/// Remove the staging directories for `root` left by processes that no
+/// longer run (killed in the middle of a load). Where the process table is
+/// not readable (`/proc`), nothing is removed.
+fn remove_stale_stagings(root: &Path) {
+    let (Some(parent), Some(name)) = (root.parent(), root.file_name()) else {
+        return;
+    };
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let prefix = format!("{}.staging-", name.to_string_lossy());
+    let Ok(entries) = std::fs::read_dir(if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    }) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let Some(pid) = file_name
+            .to_str()
+            .and_then(|file_name| file_name.strip_prefix(&prefix))
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// Load `benchmark` at `scale_factor` into a new data set at `root`: `nodes`
