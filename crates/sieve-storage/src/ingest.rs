@@ -222,8 +222,9 @@ fn check_free_space(root: &Path, bytes: u64) -> Result<(), Status> {
     Ok(())
 }
 
-/// Bytes an unprivileged writer may still use on the file system of `path`.
-fn available_bytes(path: &Path) -> Option<u64> {
+/// Bytes an unprivileged writer may still use on the file system of `path`
+/// (`None` where `statvfs` cannot tell).
+pub fn available_bytes(path: &Path) -> Option<u64> {
     use std::os::unix::ffi::OsStrExt;
     let path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
     // SAFETY: `statvfs` writes only into `stats`, and `path` is a valid C

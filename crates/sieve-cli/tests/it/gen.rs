@@ -148,3 +148,32 @@ fn a_failed_load_leaves_no_staging_directory() {
     assert!(loaded.join("catalog.sqlite").exists());
     let _ = std::fs::remove_dir_all(&parent);
 }
+
+/// A load the disk clearly has no room for is refused before anything is
+/// written or generated, naming what it needs and what is free.
+#[test]
+fn a_load_the_disk_has_no_room_for_is_refused_first() {
+    use sieve_cli::cluster::{generated, load};
+    use sieve_format::{Benchmark, SliceLayout};
+    let parent =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("no-room-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&parent);
+    std::fs::create_dir_all(&parent).unwrap();
+    // SF 10^9: far beyond any disk.
+    for benchmark in [Benchmark::Tpch, Benchmark::Ssb] {
+        let root = parent.join(format!("{}-huge", benchmark.name()));
+        let error = load(benchmark, &root, 1e9, 2, 2, &SliceLayout::default())
+            .expect_err("no disk holds SF 10^9");
+        let message = error.to_string();
+        assert!(
+            message.contains("GB free") && message.contains("replica"),
+            "{message}"
+        );
+        assert!(!root.exists(), "nothing written: {}", root.display());
+        let error = generated(benchmark, &root, 1e9, 2, 1, &SliceLayout::default())
+            .expect_err("no disk holds SF 10^9");
+        assert!(error.to_string().contains("GB free"), "{error}");
+    }
+    assert_eq!(std::fs::read_dir(&parent).unwrap().count(), 0);
+    let _ = std::fs::remove_dir_all(&parent);
+}
