@@ -229,11 +229,7 @@ fn remove_stale_stagings(root: &Path) {
         return;
     }
     let prefix = format!("{}.staging-", name.to_string_lossy());
-    let Ok(entries) = std::fs::read_dir(if parent.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        parent
-    }) else {
+    let Ok(entries) = std::fs::read_dir(or_current(parent)) else {
         return;
     };
     for entry in entries.flatten() {
@@ -248,6 +244,16 @@ fn remove_stale_stagings(root: &Path) {
         if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
             let _ = std::fs::remove_dir_all(entry.path());
         }
+    }
+}
+
+/// `path`, or the current directory for the empty parent of a relative
+/// path's first component.
+fn or_current(path: &Path) -> &Path {
+    if path.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        path
     }
 }
 
@@ -268,17 +274,7 @@ fn bytes_per_scale_factor(benchmark: Benchmark) -> f64 {
 /// load goes ahead; the storage nodes still refuse a slice that does not fit.
 fn check_room(benchmark: Benchmark, root: &Path, scale_factor: f64, replicas: usize) -> Result<()> {
     let needed = bytes_per_scale_factor(benchmark) * scale_factor * replicas as f64;
-    let Some(existing) = root
-        .ancestors()
-        .map(|path| {
-            if path.as_os_str().is_empty() {
-                Path::new(".")
-            } else {
-                path
-            }
-        })
-        .find(|path| path.exists())
-    else {
+    let Some(existing) = root.ancestors().map(or_current).find(|path| path.exists()) else {
         return Ok(());
     };
     let Some(available) = sieve_storage::ingest::available_bytes(existing) else {

@@ -245,16 +245,15 @@ async fn joins_over_null_keys_equal_plain_datafusion() {
     // Every partitioned join over its memory: each partition goes to disk
     // by key hash and is joined part by part (parts partitioned again where
     // still too large), with NDP on and off.
+    let spill_settings: Vec<String> = vec![
+        "sieve.join_build_bytes_max=2048".into(),
+        "datafusion.execution.target_partitions=2".into(),
+        // Partitioned joins even for these small build sides.
+        "datafusion.optimizer.hash_join_single_partition_threshold=0".into(),
+        "datafusion.optimizer.hash_join_single_partition_threshold_rows=0".into(),
+    ];
     let spilling = cluster.session().await.unwrap();
-    spilling
-        .apply_settings(&[
-            "sieve.join_build_bytes_max=2048".into(),
-            "datafusion.execution.target_partitions=2".into(),
-            // Partitioned joins even for these small build sides.
-            "datafusion.optimizer.hash_join_single_partition_threshold=0".into(),
-            "datafusion.optimizer.hash_join_single_partition_threshold_rows=0".into(),
-        ])
-        .unwrap();
+    spilling.apply_settings(&spill_settings).unwrap();
     check(&spilling, &reference, "spilled to disk").await;
     let parts_joined = |plan: &str| -> usize {
         plan.split("spilled_join_parts=")
@@ -301,15 +300,9 @@ async fn joins_over_null_keys_equal_plain_datafusion() {
     // Spill files compressed as the session says, as DataFusion's sorts
     // and aggregations write theirs: fewer bytes to disk, the same answers.
     let compressed = cluster.session().await.unwrap();
-    compressed
-        .apply_settings(&[
-            "sieve.join_build_bytes_max=2048".into(),
-            "datafusion.execution.target_partitions=2".into(),
-            "datafusion.optimizer.hash_join_single_partition_threshold=0".into(),
-            "datafusion.optimizer.hash_join_single_partition_threshold_rows=0".into(),
-            "datafusion.execution.spill_compression=lz4_frame".into(),
-        ])
-        .unwrap();
+    let mut compressed_settings = spill_settings.clone();
+    compressed_settings.push("datafusion.execution.spill_compression=lz4_frame".into());
+    compressed.apply_settings(&compressed_settings).unwrap();
     check(&compressed, &reference, "spilled to disk, compressed").await;
     // Rows that carry a long, repetitive string: compressed, their spill
     // files take a fraction of the bytes.
