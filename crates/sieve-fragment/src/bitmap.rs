@@ -13,7 +13,7 @@
 
 use std::fmt;
 use std::hash::{Hash, Hasher};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use arrow::array::{Array, ArrayRef, AsArray, BooleanArray};
 use arrow::buffer::BooleanBuffer;
@@ -44,6 +44,22 @@ pub const KEY_BITMAP_CHUNK_WORDS: usize = 1024;
 /// A chunk left out of a cut bitmap.
 const CHUNK_LEFT_OUT: u32 = u32::MAX;
 
+/// Bytes from which a whole bitmap gets a [`Prefilter`]: past a core's
+/// second-level cache (1 MiB here, 512 KiB to 2 MiB on most server cores), a
+/// probe that misses in the bitmap waits on memory. Below, the prefilter
+/// only adds work: TPC-H Q17 at SF 10 (a 250 KB bitmap) took 1.12x as long
+/// with one.
+const PREFILTER_FROM_BYTES: usize = 1024 * 1024;
+
+/// Bits of a [`Prefilter`] per key: about 0.1% false positives with its
+/// three bits per key in one word.
+const PREFILTER_BITS_PER_KEY: usize = 32;
+
+/// A prefilter is kept only if the bitmap is at least this many times its
+/// size (the keys are at most one value in 128 of the bitmap's range).
+/// Denser, most probes pass it and go on to the bitmap anyway.
+const PREFILTER_BITMAP_RATIO_MIN: usize = 4;
+
 /// `input` is one of the keys the bitmap was built from.
 #[derive(Clone)]
 pub struct KeyBitmapExpr {
@@ -63,6 +79,15 @@ pub struct KeyBitmapExpr {
     /// after the cut) is filtered less, never wrongly.
     chunks: Option<Arc<Vec<u32>>>,
     keys: u64,
+    /// A Bloom filter over the keys of a whole bitmap, probed before it,
+    /// built on the first probe (where the bitmap is probed, on a storage
+    /// node) and only for a large, sparse bitmap: TPC-H Q17's 20,000 part
+    /// keys at SF 100 spread over 20 M values, 2.5 MB of words, which a
+    /// storage node scanning lineitem does not keep in cache, so nearly
+    /// every probe waited on memory; the prefilter is 128 KB and answers
+    /// 99.8% of them. A cut bitmap has none: it is cut because its table is
+    /// sorted by the key, whose probes walk its words in order.
+    prefilter: Arc<OnceLock<Option<Prefilter>>>,
 }
 
 impl KeyBitmapExpr {
@@ -134,6 +159,7 @@ impl KeyBitmapExpr {
             words: Arc::new(bitmap),
             chunks: None,
             keys: count,
+            prefilter: Arc::default(),
         })
     }
 
@@ -182,6 +208,7 @@ impl KeyBitmapExpr {
             words: Arc::new(words),
             chunks: None,
             keys,
+            prefilter: Arc::default(),
         })
     }
 
@@ -337,6 +364,7 @@ impl KeyBitmapExpr {
             words: Arc::new(words),
             chunks: cut.then(|| Arc::new(chunks)),
             keys,
+            prefilter: Arc::default(),
         })
     }
 
@@ -379,6 +407,7 @@ impl KeyBitmapExpr {
             words: Arc::new(words),
             chunks: Some(Arc::new(chunks)),
             keys: self.keys,
+            prefilter: Arc::default(),
         }
     }
 
@@ -460,6 +489,7 @@ impl KeyBitmapExpr {
             words: Arc::new(words),
             chunks: Some(Arc::new(chunks)),
             keys,
+            prefilter: Arc::default(),
         })
     }
 
@@ -480,6 +510,11 @@ impl KeyBitmapExpr {
     /// The expression whose value is looked up (a column, in practice).
     pub fn input(&self) -> &Arc<dyn PhysicalExpr> {
         &self.input
+    }
+
+    /// The type the looked-up values are cast to, in which `base` counts.
+    pub fn key_type(&self) -> &DataType {
+        &self.data_type
     }
 
     /// The value of the first bit.
@@ -528,6 +563,17 @@ impl KeyBitmapExpr {
         self.keys
     }
 
+    /// The prefilter of a whole bitmap, built on first use, if it is large
+    /// and sparse enough to have one.
+    fn prefilter(&self) -> Option<&Prefilter> {
+        if self.chunks.is_some() {
+            return None;
+        }
+        self.prefilter
+            .get_or_init(|| Prefilter::build(&self.words))
+            .as_ref()
+    }
+
     fn probe(&self, values: &ArrayRef) -> Result<BooleanArray> {
         let values = if values.data_type() == &self.data_type {
             Arc::clone(values)
@@ -536,13 +582,24 @@ impl KeyBitmapExpr {
         };
         let (base, bits, words) = (self.base, self.bits, self.words.as_slice());
         let matched = match &self.chunks {
-            None => {
-                let contains = |value: i64| {
-                    let offset = value.wrapping_sub(base) as u64;
-                    offset < bits && words[(offset >> 6) as usize] >> (offset & 63) & 1 == 1
-                };
-                collect_matches(&values, contains)?
-            }
+            None => match self.prefilter() {
+                None => {
+                    let contains = |value: i64| {
+                        let offset = value.wrapping_sub(base) as u64;
+                        offset < bits && words[(offset >> 6) as usize] >> (offset & 63) & 1 == 1
+                    };
+                    collect_matches(&values, contains)?
+                }
+                Some(prefilter) => {
+                    let contains = |value: i64| {
+                        let offset = value.wrapping_sub(base) as u64;
+                        offset < bits
+                            && prefilter.may_contain(offset)
+                            && words[(offset >> 6) as usize] >> (offset & 63) & 1 == 1
+                    };
+                    collect_matches(&values, contains)?
+                }
+            },
             Some(chunks) => {
                 let contains = |value: i64| {
                     let offset = value.wrapping_sub(base) as u64;
@@ -594,6 +651,69 @@ fn collect_matches(values: &ArrayRef, contains: impl Fn(i64) -> bool) -> Result<
         return internal_err!("key bitmap probed with values of type {}", values.data_type());
     });
     Ok(matched)
+}
+
+/// A Bloom filter over a bitmap's keys (their offsets from its base) that
+/// fits in a core's cache where the bitmap does not: each key sets three
+/// bits of one 64-bit word, so a probe reads one word. Probed first, it
+/// leaves the bitmap to the keys and about 0.1% of the other values; the
+/// answer stays the bitmap's, exact.
+#[derive(Debug)]
+struct Prefilter {
+    /// A power of two of them.
+    words: Vec<u64>,
+    /// `64 - log2(words.len())`: the hash's top bits pick the word.
+    shift: u32,
+}
+
+impl Prefilter {
+    /// The prefilter of the bitmap `words`, if they take at least
+    /// [`PREFILTER_FROM_BYTES`] and at least [`PREFILTER_BITMAP_RATIO_MIN`]
+    /// times the prefilter.
+    fn build(words: &[u64]) -> Option<Self> {
+        if words.len() * 8 < PREFILTER_FROM_BYTES {
+            return None;
+        }
+        // Counted, not taken from the bitmap's `keys`, which a request states.
+        let keys: usize = words.iter().map(|word| word.count_ones() as usize).sum();
+        let size = (keys * PREFILTER_BITS_PER_KEY)
+            .div_ceil(64)
+            .next_power_of_two()
+            .max(2);
+        if size * PREFILTER_BITMAP_RATIO_MIN > words.len() {
+            return None;
+        }
+        let mut prefilter = Self {
+            words: vec![0; size],
+            shift: 64 - size.trailing_zeros(),
+        };
+        for (index, word) in words.iter().enumerate() {
+            let mut rest = *word;
+            while rest != 0 {
+                let offset = (index as u64) << 6 | u64::from(rest.trailing_zeros());
+                let (at, mask) = prefilter.place(offset);
+                prefilter.words[at] |= mask;
+                rest &= rest - 1;
+            }
+        }
+        Some(prefilter)
+    }
+
+    /// The word and the bits of `offset`: two multiplicative hashes, whose
+    /// top bits are the well mixed ones.
+    #[inline]
+    fn place(&self, offset: u64) -> (usize, u64) {
+        let at = offset.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift;
+        let bits = offset.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+        let mask = 1 << (bits >> 58) | 1 << (bits >> 52 & 63) | 1 << (bits >> 46 & 63);
+        (at as usize, mask)
+    }
+
+    #[inline]
+    fn may_contain(&self, offset: u64) -> bool {
+        let (at, mask) = self.place(offset);
+        self.words[at] & mask == mask
+    }
 }
 
 /// Values in `[low, high]`.
@@ -780,6 +900,67 @@ mod tests {
             .unwrap();
             assert_eq!(again, bitmap);
         }
+    }
+
+    /// A large bitmap over sparse keys gets a prefilter, and with it still
+    /// matches exactly the keys (from the first value of its range to the
+    /// last, and beyond both ends); the prefilter lets few other values
+    /// through. A dense bitmap, a small one and a cut one get none.
+    #[test]
+    fn a_sparse_bitmap_prefiltered_still_matches_exactly_the_keys() {
+        // 20,000 keys over 20 M values, as TPC-H Q17's part keys at SF 100,
+        // with a run of neighbours and both ends of the range.
+        let mut keys: Vec<i64> = (0..20_000i64)
+            .map(|i| 5 + i * 997 + (i * i) % 613)
+            .collect();
+        keys.extend(7_000_000..7_000_100);
+        let keys: ArrayRef = Arc::new(Int64Array::from(keys.clone()));
+        let bitmap = KeyBitmapExpr::try_new(column(), DataType::Int64, &keys).unwrap();
+        let prefilter = bitmap
+            .prefilter()
+            .expect("a large sparse bitmap has a prefilter");
+        let set: std::collections::HashSet<i64> = keys
+            .as_primitive::<Int64Type>()
+            .values()
+            .iter()
+            .copied()
+            .collect();
+        let (low, high) = (bitmap.base(), bitmap.base() + bitmap.bits() as i64 - 1);
+        let probe: ArrayRef = Arc::new(Int64Array::from_iter(
+            (low - 100..high + 100)
+                .map(Some)
+                .chain([None, Some(i64::MIN), Some(i64::MAX)]),
+        ));
+        let matched = bitmap.probe(&probe).unwrap();
+        let mut passed_others = 0usize;
+        for (index, value) in probe.as_primitive::<Int64Type>().iter().enumerate() {
+            let Some(value) = value else {
+                assert!(matched.is_null(index));
+                continue;
+            };
+            assert_eq!(matched.value(index), set.contains(&value), "{value}");
+            if (low..=high).contains(&value) && !set.contains(&value) {
+                let offset = (value - low) as u64;
+                passed_others += usize::from(prefilter.may_contain(offset));
+            }
+        }
+        let others = (high - low + 1) as usize - set.len();
+        assert!(
+            passed_others * 200 < others,
+            "the prefilter let {passed_others} of {others} other values through"
+        );
+
+        // Dense: one value in 16 is a key.
+        let dense: ArrayRef = Arc::new(Int64Array::from_iter_values((0..200_000).map(|v| v * 16)));
+        let dense = KeyBitmapExpr::try_new(column(), DataType::Int64, &dense).unwrap();
+        assert!(dense.prefilter().is_none());
+        // Small: it stays in cache by itself.
+        let small: ArrayRef = Arc::new(Int64Array::from_iter_values([1, 100_000]));
+        let small = KeyBitmapExpr::try_new(column(), DataType::Int64, &small).unwrap();
+        assert!(small.prefilter().is_none());
+        // Cut: its probes follow the key order.
+        let window = bitmap.window(low, low + 1000);
+        assert!(window.is_cut() && window.prefilter().is_none());
     }
 
     /// A bitmap travels as one zstd frame and comes back whole or cut,
