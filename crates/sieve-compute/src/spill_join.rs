@@ -170,7 +170,16 @@ pub struct SpillableHashJoinExec {
     join: Arc<dyn ExecutionPlan>,
     budget: usize,
     metrics: ExecutionPlanMetricsSet,
+    /// The metrics of the joins a partition ran part by part (each a join
+    /// of its own, not the one in the plan), shown as this node's: without
+    /// them EXPLAIN ANALYZE showed a join that was partitioned to disk, or
+    /// only split in memory, with no rows and no time.
+    part_metrics: PartMetrics,
 }
+
+/// The metrics of the part joins, as they ran; a join itself is not kept
+/// (it holds its hash table).
+type PartMetrics = Arc<Mutex<Vec<MetricsSet>>>;
 
 impl SpillableHashJoinExec {
     fn new(join: Arc<dyn ExecutionPlan>, budget: usize) -> Self {
@@ -178,6 +187,7 @@ impl SpillableHashJoinExec {
             join,
             budget,
             metrics: ExecutionPlanMetricsSet::new(),
+            part_metrics: PartMetrics::default(),
         }
     }
 }
@@ -236,7 +246,15 @@ impl ExecutionPlan for SpillableHashJoinExec {
     }
 
     fn metrics(&self) -> Option<MetricsSet> {
-        Some(self.metrics.clone_inner())
+        let mut metrics = self.metrics.clone_inner();
+        let parts = self
+            .part_metrics
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        for metric in parts.iter().flat_map(MetricsSet::iter) {
+            metrics.push(Arc::clone(metric));
+        }
+        Some(metrics)
     }
 
     fn execute(
@@ -271,6 +289,7 @@ impl ExecutionPlan for SpillableHashJoinExec {
             budget: self.budget,
             spill: SpillMetrics::new(&self.metrics, partition),
             parts: MetricBuilder::new(&self.metrics).counter("spilled_join_parts", partition),
+            part_metrics: Arc::clone(&self.part_metrics),
             progress,
         };
         let stream = futures::stream::once(run.run()).try_flatten();
@@ -349,6 +368,7 @@ struct JoinPartition {
     budget: usize,
     spill: SpillMetrics,
     parts: Count,
+    part_metrics: PartMetrics,
     /// How far it got (see [`ReportIfNeverStarted`]).
     progress: Arc<AtomicU8>,
 }
@@ -501,6 +521,7 @@ impl JoinPartition {
             build_keys,
             probe_keys,
             parts: self.parts.clone(),
+            part_metrics: Arc::clone(&self.part_metrics),
             room: MemoryConsumer::new(format!("SpillableHashJoin[{partition}] parts"))
                 .with_can_spill(true)
                 .register(self.context.memory_pool()),
@@ -815,6 +836,7 @@ struct PartJoiner {
     build_keys: Vec<Arc<dyn PhysicalExpr>>,
     probe_keys: Vec<Arc<dyn PhysicalExpr>>,
     parts: Count,
+    part_metrics: PartMetrics,
     /// Asks the pool whether a part's build side would fit now.
     room: MemoryReservation,
 }
@@ -922,7 +944,15 @@ impl PartJoiner {
             .with_partition_mode(PartitionMode::CollectLeft)
             .with_new_children(vec![Arc::new(build), Arc::new(probe)])?
             .build()?;
-        part_join.execute(0, Arc::clone(&self.context))
+        let stream = part_join.execute(0, Arc::clone(&self.context))?;
+        // Its metrics exist once it is executed, and count as it runs.
+        if let Some(metrics) = part_join.metrics() {
+            self.part_metrics
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push(metrics);
+        }
+        Ok(stream)
     }
 }
 
