@@ -203,6 +203,7 @@ pub(crate) fn estimated_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<Estimate> 
     let passes_through = plan.downcast_ref::<ProjectionExec>().is_some()
         || plan.downcast_ref::<RepartitionExec>().is_some()
         || plan.downcast_ref::<CoalescePartitionsExec>().is_some()
+        || plan.downcast_ref::<crate::MergePartitionsExec>().is_some()
         || plan.downcast_ref::<FilterExec>().is_some();
     if passes_through {
         let [input] = &plan.children()[..] else {

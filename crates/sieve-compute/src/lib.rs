@@ -52,6 +52,7 @@ mod star_join;
 mod table;
 pub mod tables;
 mod traffic;
+mod wide_join;
 
 pub use build_keys::{BuildKeys, BuildKeysExec, CollectedKeys};
 pub use catalog::{
@@ -87,3 +88,4 @@ pub use spill_join::{
 pub use star_join::{PushStarJoinToStorage, PushedStarJoin};
 pub use table::SieveTable;
 pub use traffic::{Traffic, TrafficSnapshot};
+pub use wide_join::{MergePartitionsExec, WidenLargeJoins};

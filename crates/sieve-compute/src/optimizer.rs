@@ -698,7 +698,8 @@ pub(crate) fn trace_column(
     let passes_through = plan.downcast_ref::<RepartitionExec>().is_some()
         || plan.downcast_ref::<CoalescePartitionsExec>().is_some()
         || plan.downcast_ref::<SortExec>().is_some()
-        || plan.downcast_ref::<BuildKeysExec>().is_some();
+        || plan.downcast_ref::<BuildKeysExec>().is_some()
+        || plan.downcast_ref::<crate::MergePartitionsExec>().is_some();
     #[allow(deprecated)]
     let passes_through = passes_through
         || plan

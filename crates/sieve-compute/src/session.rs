@@ -154,14 +154,19 @@ pub fn physical_rules_without_static_filter_pushdown(
 /// The physical optimizer rules of a Sieve session before Sieve's own that
 /// run last: [`physical_rules_without_static_filter_pushdown`], with
 /// [`crate::BuildOnFilteredSide`] right after DataFusion's `JoinSelection`
-/// (before DataFusion creates the joins' dynamic filters).
+/// (before DataFusion creates the joins' dynamic filters) and
+/// [`crate::WidenLargeJoins`] right after its `EnsureRequirements` (which
+/// places the repartitions it widens).
 fn physical_rules_with_join_sides() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> {
     let mut rules = Vec::new();
     for rule in physical_rules_without_static_filter_pushdown() {
-        let join_selection = rule.name() == "join_selection";
+        let name = rule.name().to_string();
         rules.push(rule);
-        if join_selection {
+        if name == "join_selection" {
             rules.push(Arc::new(crate::BuildOnFilteredSide) as _);
+        }
+        if name == "EnsureRequirements" {
+            rules.push(Arc::new(crate::WidenLargeJoins) as _);
         }
     }
     rules

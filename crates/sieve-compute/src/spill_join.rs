@@ -119,6 +119,7 @@ impl PhysicalOptimizerRule for SpillHashJoins {
         if budget == 0 {
             return Ok(plan);
         }
+        let target = config.execution.target_partitions.max(1);
         plan.transform_up(|node| {
             let Some(join) = node.downcast_ref::<HashJoinExec>() else {
                 return Ok(Transformed::no(node));
@@ -126,6 +127,16 @@ impl PhysicalOptimizerRule for SpillHashJoins {
             if !may_spill(join) {
                 return Ok(Transformed::no(node));
             }
+            // The budget is one partition's of the plan's partitions: a
+            // join over more (`sieve.join_wide_partitions`) shares it out,
+            // or its memory grew with its partitions (TPC-H Q9 at SF 100
+            // over 16: 5.8 GB against 1.6 GB).
+            let partitions = join.properties().output_partitioning().partition_count();
+            let budget = if partitions > target {
+                (budget.saturating_mul(target) / partitions).max(1)
+            } else {
+                budget
+            };
             let children = vec![
                 Arc::new(JoinInputExec::new(Arc::clone(join.left()))) as Arc<dyn ExecutionPlan>,
                 Arc::new(JoinInputExec::new(Arc::clone(join.right()))),

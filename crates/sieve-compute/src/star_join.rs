@@ -193,6 +193,7 @@ fn push_star_join(
                     ) && !repartition.preserve_order()
                 })
                 || current.downcast_ref::<CoalescePartitionsExec>().is_some()
+                || current.downcast_ref::<crate::MergePartitionsExec>().is_some()
                 || current
                     .downcast_ref::<datafusion::physical_plan::coalesce_batches::CoalesceBatchesExec>()
                     .is_some();

@@ -129,11 +129,16 @@ pub enum Mode {
     /// whatever their build sides' rows against the probe table's per
     /// slice (the default keeps most of the fuzzer's small tables out).
     StarJoins,
+    /// Every hash join partitioned, and every partitioned join over 6
+    /// partitions merged back into the plan's (`SET
+    /// sieve.join_wide_build_rows = 0`, `sieve.join_wide_partitions = 6`:
+    /// not a power of two, so a row's partition is a true remainder).
+    WideJoins,
 }
 
 impl Mode {
     /// Every mode, in the order they run.
-    pub const ALL: [Mode; 8] = [
+    pub const ALL: [Mode; 9] = [
         Mode::Default,
         Mode::NoJoinFilters,
         Mode::NoAggregatePushdown,
@@ -142,6 +147,7 @@ impl Mode {
         Mode::SpilledJoins,
         Mode::FewJoinKeys,
         Mode::StarJoins,
+        Mode::WideJoins,
     ];
 
     /// The mode's name on the command line.
@@ -155,6 +161,7 @@ impl Mode {
             Mode::SpilledJoins => "spilled-joins",
             Mode::FewJoinKeys => "few-join-keys",
             Mode::StarJoins => "star-joins",
+            Mode::WideJoins => "wide-joins",
         }
     }
 
@@ -180,6 +187,7 @@ impl Mode {
             Mode::SpilledJoins => "Sieve, SET sieve.join_build_bytes_max = 2048, datafusion.optimizer.hash_join_single_partition_threshold = 0, datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
             Mode::FewJoinKeys => "Sieve, SET sieve.join_filter_keys_max = 64",
             Mode::StarJoins => "Sieve, SET sieve.star_join_build_rows_share = 100",
+            Mode::WideJoins => "Sieve, SET sieve.join_wide_build_rows = 0, sieve.join_wide_partitions = 6, datafusion.optimizer.hash_join_single_partition_threshold = 0, datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
         }
     }
 }
@@ -337,14 +345,14 @@ pub struct FuzzReport {
     /// in the node directories.
     pub schemas_through_catalog: (usize, usize),
     /// Compared queries whose plan took each of Sieve's rewrites (by its
-    /// EXPLAIN marker, [`PLAN_FEATURES`]), in the default and the
-    /// star-joins modes: what the comparisons exercised.
+    /// EXPLAIN marker, [`PLAN_FEATURES`]), in the default, star-joins and
+    /// wide-joins modes: what the comparisons exercised.
     pub plan_features: BTreeMap<&'static str, BTreeMap<Mode, usize>>,
 }
 
 /// Sieve's plan rewrites the fuzz report counts, each with the text its
 /// EXPLAIN shows for it.
-pub const PLAN_FEATURES: [(&str, &str); 7] = [
+pub const PLAN_FEATURES: [(&str, &str); 8] = [
     ("pushed filter", "pushed filter:"),
     ("sorted copy", "reads copy "),
     ("pushed aggregate", "pushed aggregate:"),
@@ -352,6 +360,7 @@ pub const PLAN_FEATURES: [(&str, &str); 7] = [
     ("star join", "pushed join: dimension(s)"),
     ("spillable join", "SpillableHashJoinExec"),
     ("late group columns", "__sieve_late"),
+    ("wide join", "MergePartitionsExec"),
 ];
 
 impl FuzzReport {
@@ -503,6 +512,12 @@ async fn start_engines(root: &Path, modes: &[Mode], settings: &[String]) -> Resu
             Mode::StarJoins => {
                 session.apply_settings(&["sieve.star_join_build_rows_share=100".into()])?
             }
+            Mode::WideJoins => session.apply_settings(&[
+                "sieve.join_wide_build_rows=0".into(),
+                "sieve.join_wide_partitions=6".into(),
+                "datafusion.optimizer.hash_join_single_partition_threshold=0".into(),
+                "datafusion.optimizer.hash_join_single_partition_threshold_rows=0".into(),
+            ])?,
             Mode::Default | Mode::Raw => {}
         }
         session.apply_settings(settings)?;
@@ -582,9 +597,10 @@ async fn run_schema(
             }
         };
         for (mode, session) in &engines.sessions {
-            // The default plan, and the star-joins mode's (the one mode
-            // that turns a rewrite on); the others turn rewrites off.
-            if !matches!(mode, Mode::Default | Mode::StarJoins) {
+            // The default plan, and the star-joins and wide-joins modes'
+            // (the modes that turn a rewrite on); the others turn
+            // rewrites off.
+            if !matches!(mode, Mode::Default | Mode::StarJoins | Mode::WideJoins) {
                 continue;
             }
             if let Outcome::Rows(batches) =

@@ -151,6 +151,10 @@ const QUERIES: &[&str] = &[
     // ... and over an empty build side, and one of NULL keys only.
     "SELECT count(*) FROM a JOIN b ON a.id = b.id JOIN (SELECT * FROM c WHERE v < 0) x ON a.k = x.k AND b.k2 = x.k2",
     "SELECT count(*), count(a.k) FROM a JOIN b ON a.id = b.id JOIN (SELECT * FROM a WHERE k IS NULL AND v < 50) x ON (a.k IS NOT DISTINCT FROM x.k) AND (b.k2 IS NOT DISTINCT FROM x.k2)",
+    // Joins on the same key one over the other (the upper one takes the
+    // lower one's hash partitioning as it is), inner and outer.
+    "SELECT count(*), count(b.id), sum(c.v) FROM a JOIN b ON a.k = b.k JOIN c ON a.k = c.k",
+    "SELECT count(*), count(b.id), count(c.id) FROM a LEFT JOIN b ON a.k = b.k FULL JOIN c ON b.k = c.k",
     // A recursive CTE whose recursive term joins a Sieve scan: the term runs
     // again for every iteration, and its join filter with it.
     "WITH RECURSIVE r(k, depth) AS ( \
@@ -325,6 +329,69 @@ async fn joins_over_null_keys_equal_plain_datafusion() {
     );
     spilling.set_ndp(false).unwrap();
     check(&spilling, &reference, "spilled to disk, NDP off").await;
+
+    // Every partitioned join over more partitions than the plan's, merged
+    // back above it: 8 over 2 (a power of two, so DataFusion's repartition
+    // masks the hash) and 9 over 3 (a true remainder), alone and spilled,
+    // with NDP on and off.
+    let wide_settings = |partitions: usize, wide: usize| -> Vec<String> {
+        vec![
+            format!("datafusion.execution.target_partitions={partitions}"),
+            format!("sieve.join_wide_partitions={wide}"),
+            "sieve.join_wide_build_rows=0".into(),
+            "datafusion.optimizer.hash_join_single_partition_threshold=0".into(),
+            "datafusion.optimizer.hash_join_single_partition_threshold_rows=0".into(),
+        ]
+    };
+    let same_key = QUERIES
+        .iter()
+        .find(|sql| sql.contains("JOIN c ON a.k = c.k"))
+        .expect("listed");
+    for (partitions, wide, expected) in [(2, 8, 8), (3, 7, 9)] {
+        let widened = cluster.session().await.unwrap();
+        widened
+            .apply_settings(&wide_settings(partitions, wide))
+            .unwrap();
+        let mode = format!("joins over {expected} partitions");
+        check(&widened, &reference, &mode).await;
+        // A join over another on the same key: both over the wide
+        // partitions, merged once, above the upper one.
+        let plan = explain_analyze(&widened, same_key).await;
+        let merge = format!("MergePartitionsExec: {expected} partitions into {partitions}");
+        let repartitions: Vec<&str> = plan
+            .lines()
+            .filter(|line| line.contains("RepartitionExec: partitioning=Hash("))
+            .collect();
+        assert!(
+            plan.matches(&merge).count() == 1
+                && plan.matches("HashJoinExec: mode=Partitioned").count() == 2
+                && !repartitions.is_empty()
+                && repartitions
+                    .iter()
+                    .all(|line| line.contains(&format!("], {expected}), input_partitions"))),
+            "{mode}: {plan}"
+        );
+        let mut spilled = wide_settings(partitions, wide);
+        spilled.push("sieve.join_build_bytes_max=2048".into());
+        widened.apply_settings(&spilled).unwrap();
+        check(&widened, &reference, &format!("{mode}, spilled to disk")).await;
+        widened.set_ndp(false).unwrap();
+        check(&widened, &reference, &format!("{mode}, spilled, NDP off")).await;
+    }
+    // Off, and below the build rows it takes: the plan keeps its partitions.
+    for settings in [
+        vec!["sieve.join_wide_partitions=0".to_string()],
+        vec!["sieve.join_wide_build_rows=1000000".to_string()],
+    ] {
+        let plain = cluster.session().await.unwrap();
+        plain.apply_settings(&wide_settings(2, 8)).unwrap();
+        plain.apply_settings(&settings).unwrap();
+        let plan = explain_analyze(&plain, same_key).await;
+        assert!(
+            plan.contains("HashJoinExec") && !plan.contains("MergePartitionsExec"),
+            "{settings:?}: {plan}"
+        );
+    }
 
     // Every slice raw: the compute node runs the same fragments.
     let raw = EmbeddedCluster::start_raw(&root, NODES).await.unwrap();

@@ -1,0 +1,11 @@
+set datafusion.execution.parquet.pushdown_filters=true;
+set sieve.join_wide_partitions = 0;
+select count(*), sum(ps_supplycost) from lineitem join partsupp on l_partkey = ps_partkey and l_suppkey = ps_suppkey;
+select count(*), sum(ps_supplycost) from lineitem join partsupp on l_partkey = ps_partkey and l_suppkey = ps_suppkey;
+set sieve.join_wide_partitions = 16;
+select count(*), sum(ps_supplycost) from lineitem join partsupp on l_partkey = ps_partkey and l_suppkey = ps_suppkey;
+select count(*), sum(ps_supplycost) from lineitem join partsupp on l_partkey = ps_partkey and l_suppkey = ps_suppkey;
+set sieve.join_wide_partitions = 0;
+select count(*), sum(ps_supplycost) from lineitem join partsupp on l_partkey = ps_partkey and l_suppkey = ps_suppkey;
+set sieve.join_wide_partitions = 16;
+select count(*), sum(ps_supplycost) from lineitem join partsupp on l_partkey = ps_partkey and l_suppkey = ps_suppkey;
