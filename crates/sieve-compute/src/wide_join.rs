@@ -152,8 +152,12 @@ enum HashPartitioned<'a> {
     /// expressions.
     Repartition(&'a Arc<dyn ExecutionPlan>, Vec<Arc<dyn PhysicalExpr>>),
     /// A join already over `wide` partitions, merged into `n` (a join
-    /// below on the same keys): taken as it is, unmerged.
-    Merged(&'a Arc<dyn ExecutionPlan>),
+    /// below on the same keys), perhaps under a projection: taken as it
+    /// is, unmerged.
+    Merged(Arc<dyn ExecutionPlan>),
+    /// Never built: keeps the lifetime of the repartition's borrow.
+    #[allow(dead_code)]
+    Unused(&'a ()),
 }
 
 impl HashPartitioned<'_> {
@@ -163,7 +167,8 @@ impl HashPartitioned<'_> {
                 Arc::clone(input),
                 Partitioning::Hash(exprs, wide),
             )?),
-            HashPartitioned::Merged(input) => Arc::clone(input),
+            HashPartitioned::Merged(input) => input,
+            HashPartitioned::Unused(_) => unreachable!("never built"),
         })
     }
 }
@@ -174,17 +179,26 @@ fn hash_partitioned(
     n: usize,
     wide: usize,
 ) -> Option<HashPartitioned<'_>> {
-    if let Some(merge) = plan.downcast_ref::<MergePartitionsExec>() {
-        // The merge's hash partitioning over `n` met the join's
-        // requirement; its input's is the same over `wide`.
-        return match (
-            merge.properties().output_partitioning(),
-            merge.input().output_partitioning(),
-        ) {
+    // The merge's hash partitioning over `n` (through a projection that
+    // keeps its columns) met the join's requirement; its input's is the
+    // same over `wide`.
+    let unmerged: Option<Arc<dyn ExecutionPlan>> =
+        if let Some(merge) = plan.downcast_ref::<MergePartitionsExec>() {
+            Some(Arc::clone(merge.input()))
+        } else if let Some(projection) = plan.downcast_ref::<ProjectionExec>() {
+            match projection.input().downcast_ref::<MergePartitionsExec>() {
+                Some(merge) => make_with_child(projection, merge.input()).ok(),
+                None => None,
+            }
+        } else {
+            None
+        };
+    if let Some(unmerged) = unmerged {
+        return match (plan.output_partitioning(), unmerged.output_partitioning()) {
             (Partitioning::Hash(_, count), Partitioning::Hash(_, input_count))
                 if *count == n && *input_count == wide =>
             {
-                Some(HashPartitioned::Merged(merge.input()))
+                Some(HashPartitioned::Merged(unmerged))
             }
             _ => None,
         };

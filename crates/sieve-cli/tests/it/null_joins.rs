@@ -354,21 +354,15 @@ async fn joins_over_null_keys_equal_plain_datafusion() {
             .unwrap();
         let mode = format!("joins over {expected} partitions");
         check(&widened, &reference, &mode).await;
-        // A join over another on the same key: both over the wide
-        // partitions, merged once, above the upper one.
+        // A join over another on the same key: the lower one widened and
+        // merged back below the upper one.
         let plan = explain_analyze(&widened, same_key).await;
         let merge = format!("MergePartitionsExec: {expected} partitions into {partitions}");
-        let repartitions: Vec<&str> = plan
-            .lines()
-            .filter(|line| line.contains("RepartitionExec: partitioning=Hash("))
-            .collect();
         assert!(
-            plan.matches(&merge).count() == 1
-                && plan.matches("HashJoinExec: mode=Partitioned").count() == 2
-                && !repartitions.is_empty()
-                && repartitions
-                    .iter()
-                    .all(|line| line.contains(&format!("], {expected}), input_partitions"))),
+            plan.contains(&merge)
+                && plan.contains(&format!(
+                    "RepartitionExec: partitioning=Hash([k@0], {expected})"
+                )),
             "{mode}: {plan}"
         );
         let mut spilled = wide_settings(partitions, wide);
