@@ -147,28 +147,24 @@ fn widened(
 
 /// A join input hash partitioned into `n` partitions, as it can be had
 /// over `wide`.
-enum HashPartitioned<'a> {
+enum HashPartitioned {
     /// A repartition by hash that keeps no order: its input and
     /// expressions.
-    Repartition(&'a Arc<dyn ExecutionPlan>, Vec<Arc<dyn PhysicalExpr>>),
+    Repartition(Arc<dyn ExecutionPlan>, Vec<Arc<dyn PhysicalExpr>>),
     /// A join already over `wide` partitions, merged into `n` (a join
     /// below on the same keys), perhaps under a projection: taken as it
     /// is, unmerged.
     Merged(Arc<dyn ExecutionPlan>),
-    /// Never built: keeps the lifetime of the repartition's borrow.
-    #[allow(dead_code)]
-    Unused(&'a ()),
 }
 
-impl HashPartitioned<'_> {
+impl HashPartitioned {
     fn over(self, wide: usize) -> Result<Arc<dyn ExecutionPlan>> {
         Ok(match self {
             HashPartitioned::Repartition(input, exprs) => Arc::new(RepartitionExec::try_new(
-                Arc::clone(input),
+                input,
                 Partitioning::Hash(exprs, wide),
             )?),
             HashPartitioned::Merged(input) => input,
-            HashPartitioned::Unused(_) => unreachable!("never built"),
         })
     }
 }
@@ -178,7 +174,7 @@ fn hash_partitioned(
     plan: &Arc<dyn ExecutionPlan>,
     n: usize,
     wide: usize,
-) -> Option<HashPartitioned<'_>> {
+) -> Option<HashPartitioned> {
     // The merge's hash partitioning over `n` (through a projection that
     // keeps its columns) met the join's requirement; its input's is the
     // same over `wide`.
@@ -209,7 +205,7 @@ fn hash_partitioned(
     }
     match repartition.partitioning() {
         Partitioning::Hash(exprs, count) if *count == n => Some(HashPartitioned::Repartition(
-            repartition.input(),
+            Arc::clone(repartition.input()),
             exprs.clone(),
         )),
         _ => None,
