@@ -49,3 +49,4 @@ mod slice_details;
 mod sorted_copies;
 mod ssb;
 mod streams;
+mod typed_joins;

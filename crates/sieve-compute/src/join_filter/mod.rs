@@ -43,8 +43,8 @@ use std::time::Duration;
 use arrow::array::{Array, ArrayRef, ArrowPrimitiveType, AsArray, PrimitiveArray};
 use arrow::compute::{concat, take};
 use arrow::datatypes::{
-    DataType, Date32Type, Date64Type, Int16Type, Int32Type, Int64Type, Int8Type, Schema,
-    UInt16Type, UInt32Type, UInt64Type, UInt8Type,
+    DataType, Date32Type, Date64Type, Float16Type, Float32Type, Float64Type, Int16Type, Int32Type,
+    Int64Type, Int8Type, Schema, UInt16Type, UInt32Type, UInt64Type, UInt8Type,
 };
 use arrow::row::{RowConverter, SortField};
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
@@ -525,7 +525,7 @@ fn membership(
     table_schema: &Schema,
     parts: &mut Vec<String>,
 ) -> Result<Option<Arc<dyn PhysicalExpr>>> {
-    let members = distinct(members)?;
+    let members = distinct(&with_both_zeros(members)?)?;
     let keys = members.len();
     let dense = bounds.is_some_and(|(low, high)| integer_span(low, high) == Some(keys as u64));
     if dense {
@@ -589,6 +589,47 @@ fn membership(
         bloom.bitset().len()
     ));
     Ok(Some(Arc::new(bloom)))
+}
+
+/// `members`, with 0.0 and -0.0 both where a float key is zero.
+///
+/// A hash join matches -0.0 with 0.0 (DataFusion hashes the two alike and
+/// compares them equal), but an IN list compares floats bit for bit and a
+/// Bloom filter hashes their row encoding, where the two differ: from the
+/// keys of a build side holding one zero, either would drop the probe rows
+/// holding the other. NaN needs nothing: the join matches a NaN only with
+/// the same bits.
+fn with_both_zeros(members: &ArrayRef) -> Result<ArrayRef> {
+    use arrow::array::{Float32Array, Float64Array};
+    let zeros: ArrayRef = match members.data_type() {
+        DataType::Float16
+            if members
+                .as_primitive::<Float16Type>()
+                .iter()
+                .any(|value| value.is_some_and(|value| value.to_f32() == 0.0)) =>
+        {
+            let zeros = Float32Array::from(vec![0.0, -0.0]);
+            arrow::compute::cast(&zeros, &DataType::Float16)?
+        }
+        DataType::Float32
+            if members
+                .as_primitive::<Float32Type>()
+                .iter()
+                .any(|value| value == Some(0.0)) =>
+        {
+            Arc::new(Float32Array::from(vec![0.0, -0.0]))
+        }
+        DataType::Float64
+            if members
+                .as_primitive::<Float64Type>()
+                .iter()
+                .any(|value| value == Some(0.0)) =>
+        {
+            Arc::new(Float64Array::from(vec![0.0, -0.0]))
+        }
+        _ => return Ok(Arc::clone(members)),
+    };
+    Ok(concat(&[members.as_ref(), zeros.as_ref()])?)
 }
 
 /// The membership test for keys collected as a bitmap
@@ -960,5 +1001,86 @@ mod tests {
         };
         let list = kind((0..396).map(|k| k * 25 + 33).collect(), &no_bitmaps);
         assert_eq!(list, "list (396 keys)");
+    }
+    /// A hash join matches -0.0 with 0.0 (DataFusion hashes both alike and
+    /// compares them equal), and NaN with NaN. The join filter built from
+    /// the build keys, as a range with a list or a Bloom filter, passes
+    /// every probe value the join matches, from keys holding either zero.
+    #[test]
+    fn float_keys_pass_both_zeros_and_nan() {
+        use arrow::array::{BooleanArray, Float32Array, Float64Array};
+        let probe_values: Vec<Option<f64>> = vec![
+            Some(-0.0),
+            Some(0.0),
+            Some(f64::NAN),
+            Some(1.5),
+            Some(2.5),
+            None,
+            Some(f64::INFINITY),
+        ];
+        for data_type in [DataType::Float64, DataType::Float32] {
+            let schema = Schema::new(vec![Field::new("k", data_type.clone(), true)]);
+            let array_of = |values: &[Option<f64>]| -> ArrayRef {
+                match data_type {
+                    DataType::Float32 => Arc::new(Float32Array::from_iter(
+                        values.iter().map(|value| value.map(|value| value as f32)),
+                    )),
+                    _ => Arc::new(Float64Array::from(values.to_vec())),
+                }
+            };
+            let batch = arrow::record_batch::RecordBatch::try_new(
+                Arc::new(schema.clone()),
+                vec![array_of(&probe_values)],
+            )
+            .unwrap();
+            let probe = ProbeColumns {
+                shipped: &[0],
+                table_schema: &schema,
+                distinct_bounds: &[None],
+            };
+            for zero in [0.0, -0.0] {
+                for keys in [
+                    vec![Some(zero)],
+                    vec![Some(zero), Some(1.5), Some(f64::NAN)],
+                ] {
+                    let keys = array_of(&keys);
+                    for list_max in [1024, 0] {
+                        let mut implied = Implied::default();
+                        implied.columns.insert(
+                            0,
+                            ColumnFact {
+                                values: Values::Within {
+                                    low: None,
+                                    high: None,
+                                    members: Some(Members::BuildKeys(0)),
+                                },
+                                nulls_pass: false,
+                            },
+                        );
+                        let collected = [ColumnKeys::Values(vec![Arc::clone(&keys)])];
+                        let settings = JoinFilterSettings {
+                            list_max,
+                            ..settings()
+                        };
+                        let (conjuncts, description) =
+                            build(&implied, Some(&collected), &settings, probe).unwrap();
+                        let mut passed = BooleanArray::from(vec![true; batch.num_rows()]);
+                        for conjunct in &conjuncts {
+                            let result = conjunct.evaluate(&batch).unwrap();
+                            let result = result.into_array(batch.num_rows()).unwrap();
+                            passed =
+                                arrow::compute::and_kleene(&passed, result.as_boolean()).unwrap();
+                        }
+                        let passes = |row: usize| passed.is_valid(row) && passed.value(row);
+                        let context = format!("{data_type} keys {keys:?}: {description}");
+                        assert!(passes(0) && passes(1), "both zeros, {context}");
+                        assert!(!passes(4) && !passes(5) && !passes(6), "{context}");
+                        if keys.len() > 1 {
+                            assert!(passes(2) && passes(3), "NaN and 1.5, {context}");
+                        }
+                    }
+                }
+            }
+        }
     }
 }
