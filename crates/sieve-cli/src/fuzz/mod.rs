@@ -680,10 +680,20 @@ async fn run_schema(
             .iter()
             .map(|table| table.spec.rows())
             .collect();
+        let mut key_types: Vec<String> = schema
+            .tables
+            .iter()
+            .flat_map(|table| &table.spec.columns)
+            .filter(|column| column.key.is_some())
+            .map(|column| column.data_type.to_string())
+            .collect();
+        key_types.sort();
+        key_types.dedup();
         println!(
-            "schema {schema_index} (seed {schema_seed:#018x}, {} tables of {rows:?} rows): \
-             {} queries, {} plan failure(s) in plain DataFusion, {} mismatch(es), {:.1} s",
+            "schema {schema_index} (seed {schema_seed:#018x}, {} tables of {rows:?} rows, \
+             keys {}): {} queries, {} plan failure(s) in plain DataFusion, {} mismatch(es), {:.1} s",
             schema.tables.len(),
+            key_types.join("/"),
             options.only_query.map_or(options.queries_per_schema, |_| 1),
             report.reference_plan_failures - plan_failures_before,
             report.mismatches.len() - mismatches_before,

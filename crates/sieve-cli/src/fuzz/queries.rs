@@ -1291,8 +1291,15 @@ impl<'schema> QueryGenerator<'schema> {
                 *self.random.pick(&shared)
             };
             let side = |generator: &mut Self, scope: &[Column<'schema>]| {
-                let expression = if category == Category::Integer && generator.random.percent(60) {
-                    generator.random.pick(&Self::key_columns(scope)).sql()
+                let integer_keys: Vec<Column<'schema>> = Self::key_columns(scope)
+                    .into_iter()
+                    .filter(|key| key.category() == Category::Integer)
+                    .collect();
+                let expression = if category == Category::Integer
+                    && !integer_keys.is_empty()
+                    && generator.random.percent(60)
+                {
+                    generator.random.pick(&integer_keys).sql()
                 } else {
                     generator.value(scope, category)
                 };
@@ -1463,9 +1470,9 @@ impl<'schema> QueryGenerator<'schema> {
         let depth_max = self.random.between(1, 4);
         let sql = format!(
             "WITH RECURSIVE r(id, key_value, depth) AS (\
-             SELECT a.id, CAST({} AS BIGINT), CAST(0 AS BIGINT) FROM {} AS a WHERE {} \
+             SELECT a.id, CAST({} AS VARCHAR), CAST(0 AS BIGINT) FROM {} AS a WHERE {} \
              UNION ALL \
-             SELECT b.id, CAST({} AS BIGINT), r.depth + 1 FROM r JOIN {} AS b ON b.id = {next} \
+             SELECT b.id, CAST({} AS VARCHAR), r.depth + 1 FROM r JOIN {} AS b ON b.id = {next} \
              WHERE r.depth < {depth_max}) \
              SELECT depth, count(*), count(key_value), min(id), max(id) FROM r GROUP BY depth",
             Self::key_columns(&start_scope)[0].sql(),

@@ -145,19 +145,31 @@ impl FuzzSchema {
     /// tables, row for row.
     pub fn generate(seed: u64) -> Result<Self> {
         let mut random = SeededRandom::new(seed);
-        let key_types: Vec<DataType> = KEY_NAMES
-            .iter()
-            .map(|_| {
-                let types = [
-                    DataType::Int64,
-                    DataType::Int32,
-                    DataType::Int16,
-                    DataType::UInt32,
-                    DataType::UInt64,
-                ];
-                types[random.weighted(&[5, 4, 1, 1, 1])].clone()
-            })
-            .collect();
+        // Integer keys of mixed widths, or (one schema in four) keys all of
+        // one other type, so that every two keys can be joined.
+        let key_types: Vec<DataType> = if random.percent(25) {
+            let types = [
+                DataType::Float64,
+                DataType::Utf8,
+                DataType::Date32,
+                DataType::Decimal128(12, 2),
+            ];
+            vec![types[random.below(types.len())].clone(); KEY_NAMES.len()]
+        } else {
+            KEY_NAMES
+                .iter()
+                .map(|_| {
+                    let types = [
+                        DataType::Int64,
+                        DataType::Int32,
+                        DataType::Int16,
+                        DataType::UInt32,
+                        DataType::UInt64,
+                    ];
+                    types[random.weighted(&[5, 4, 1, 1, 1])].clone()
+                })
+                .collect()
+        };
         let table_count = 2 + random.below(3);
         let mut tables = Vec::with_capacity(table_count);
         for index in 0..table_count {
@@ -555,6 +567,43 @@ fn with_nulls<T>(values: Vec<T>, nulls: &[bool]) -> Vec<Option<T>> {
         .collect()
 }
 
+/// A join key column of `data_type` from its key values, one to one, so
+/// that two rows join exactly when their values are equal: integers as
+/// they are; floats halved, with the hot skewed value as NaN and 0 as 0.0
+/// (`zeros` 0), -0.0 (1) or both in turn (2) (a join matches -0.0 with 0.0,
+/// and NaN with NaN); texts as `key00042`; dates as days; decimals as
+/// `42.25`.
+fn key_column(data_type: &DataType, values: &[Option<i64>], zeros: usize) -> Result<ArrayRef> {
+    Ok(match data_type {
+        DataType::Float64 => Arc::new(Float64Array::from_iter(values.iter().enumerate().map(
+            |(row, value)| {
+                value.map(|value| match value {
+                    SKEWED_HOT_VALUE => f64::NAN,
+                    0 if zeros == 1 || (zeros == 2 && row % 2 == 1) => -0.0,
+                    value => value as f64 * 0.5,
+                })
+            },
+        ))),
+        DataType::Utf8 => Arc::new(StringArray::from_iter(
+            values
+                .iter()
+                .map(|value| value.map(|value| format!("key{value:05}"))),
+        )),
+        DataType::Date32 => Arc::new(Date32Array::from_iter(
+            values.iter().map(|value| value.map(|value| value as i32)),
+        )),
+        DataType::Decimal128(precision, scale) => Arc::new(
+            Decimal128Array::from_iter(
+                values
+                    .iter()
+                    .map(|value| value.map(|value| value as i128 * 100 + 25)),
+            )
+            .with_precision_and_scale(*precision, *scale)?,
+        ),
+        integer => integer_column(integer, values.to_vec())?,
+    })
+}
+
 fn integer_column(data_type: &DataType, values: Vec<Option<i64>>) -> Result<ArrayRef> {
     fn narrow<T: TryFrom<i64>>(values: Vec<Option<i64>>) -> Result<Vec<Option<T>>> {
         values
@@ -618,7 +667,8 @@ fn random_column(
     let nulls = nulls(random, column.null_percent, rows);
     if let Some(distribution) = column.key {
         let values = with_nulls(key_values(random, distribution, rows), &nulls);
-        let array = integer_column(&column.data_type, values.clone())?;
+        let zeros = random.below(3);
+        let array = key_column(&column.data_type, &values, zeros)?;
         return Ok((array, Some(values)));
     }
     let array: ArrayRef = match &column.data_type {
