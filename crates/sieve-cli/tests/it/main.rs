@@ -22,6 +22,7 @@ mod crash_loads;
 mod data_errors;
 mod deep_expressions;
 mod early_start;
+mod edge_values;
 mod end_to_end;
 mod failover;
 mod full_disk;
