@@ -97,6 +97,10 @@ pub fn is_allowed_type(data_type: &DataType) -> bool {
             | Utf8
             | LargeUtf8
             | Utf8View
+            | Binary
+            | LargeBinary
+            | BinaryView
+            | FixedSizeBinary(_)
             | Date32
             | Date64
             | Timestamp(_, _)
