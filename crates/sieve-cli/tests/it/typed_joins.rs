@@ -264,6 +264,12 @@ const MIXED: &[&str] = &[
     "SELECT count(*), sum(l.v) FROM l JOIN (SELECT * FROM r WHERE v < 40) x ON -l.f64 = x.f64",
     "SELECT count(*), sum(l.v) FROM l JOIN (SELECT * FROM r WHERE v < 40) x ON l.u64 = x.u64 AND l.s = x.s",
     "SELECT count(*), sum(l.v) FROM l JOIN (SELECT * FROM r WHERE v < 40) x ON l.f64 = x.f64 AND l.d32 = x.d32",
+    // Signed against unsigned, and a timestamp against a date.
+    "SELECT count(*), sum(l.v) FROM l JOIN (SELECT * FROM r WHERE v < 40) x ON l.i64 = x.u64",
+    "SELECT count(*), sum(l.v) FROM l JOIN (SELECT * FROM r WHERE v < 40) x ON l.u64 = x.i32",
+    "SELECT count(*), sum(l.v) FROM l JOIN (SELECT * FROM r WHERE v < 40) x ON l.u32 = x.i64",
+    "SELECT count(*), sum(l.v) FROM l JOIN (SELECT * FROM r WHERE v < 40) x ON l.ts = x.d32",
+    "SELECT count(*), sum(l.v) FROM l JOIN (SELECT * FROM r WHERE v < 40) x ON l.tstz = x.ts",
     // Binary values as literals.
     "SELECT count(*), sum(v) FROM l WHERE bin = CAST('k007' AS BYTEA)",
     "SELECT count(*), sum(v) FROM l WHERE bin > CAST('k05' AS BYTEA) AND bin < CAST('k07' AS BYTEA)",
