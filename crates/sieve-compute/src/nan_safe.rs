@@ -9,6 +9,13 @@
 //! stage uses). Such conjuncts are wrapped in a [`PruningOpaqueExpr`]:
 //! evaluated as they are, but an expression DataFusion's pruning does not
 //! know, so it never prunes by it.
+//!
+//! Filters pushed into the scan from above (a hash join's dynamic filter
+//! on its probe side) over a float column stop at a
+//! [`FloatFilterGuardExec`] instead: DataFusion 55's Parquet scan, given
+//! the dynamic filter of a join on a float key, loses the probe rows of
+//! -0.0 when the build side holds 0.0 (a join matches the two; the fuzzer
+//! found it). The join still matches exactly without the filter.
 
 use std::fmt;
 use std::hash::Hash;
@@ -16,9 +23,17 @@ use std::sync::Arc;
 
 use arrow::datatypes::{DataType, Schema};
 use arrow::record_batch::RecordBatch;
-use datafusion::common::{internal_err, Result};
+use datafusion::common::config::ConfigOptions;
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::{internal_err, Result, Statistics};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::ColumnarValue;
 use datafusion::physical_expr::{conjunction, split_conjunction, PhysicalExpr};
+use datafusion::physical_plan::filter_pushdown::{
+    ChildFilterDescription, FilterDescription, FilterPushdownPhase,
+};
+use datafusion::physical_plan::statistics::{ChildStats, StatisticsArgs};
+use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
 use sieve_fragment::reads_float_column;
 
 /// Evaluates `inner` unchanged; opaque to statistics pruning.
@@ -94,4 +109,123 @@ pub(crate) fn nan_safe(predicate: Arc<dyn PhysicalExpr>, schema: &Schema) -> Arc
             Arc::clone(conjunct)
         }
     }))
+}
+
+/// NDP off's Parquet scan, taking filters pushed from above only where they
+/// read no float column (see the module's documentation); it is the scan
+/// in every other way.
+#[derive(Debug)]
+pub(crate) struct FloatFilterGuardExec {
+    input: Arc<dyn ExecutionPlan>,
+}
+
+impl FloatFilterGuardExec {
+    /// `scan`, guarded where its output has a float column.
+    pub(crate) fn over(scan: Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {
+        if scan
+            .schema()
+            .fields()
+            .iter()
+            .any(|field| field.data_type().is_floating())
+        {
+            Arc::new(Self { input: scan })
+        } else {
+            scan
+        }
+    }
+}
+
+impl DisplayAs for FloatFilterGuardExec {
+    fn fmt_as(&self, _format: DisplayFormatType, formatter: &mut fmt::Formatter) -> fmt::Result {
+        write!(
+            formatter,
+            "FloatFilterGuardExec: no filter from above on a float column"
+        )
+    }
+}
+
+impl ExecutionPlan for FloatFilterGuardExec {
+    fn name(&self) -> &str {
+        "FloatFilterGuardExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        self.input.properties()
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.input]
+    }
+
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![true]
+    }
+
+    fn benefits_from_input_partitioning(&self) -> Vec<bool> {
+        vec![false]
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let [input] = &children[..] else {
+            return internal_err!("FloatFilterGuardExec has one child");
+        };
+        Ok(Arc::new(Self {
+            input: Arc::clone(input),
+        }))
+    }
+
+    /// Filters that read no float column go through to the scan; the
+    /// others stay above it.
+    fn gather_filters_for_pushdown(
+        &self,
+        _phase: FilterPushdownPhase,
+        parent_filters: Vec<Arc<dyn PhysicalExpr>>,
+        _config: &ConfigOptions,
+    ) -> Result<FilterDescription> {
+        let schema = self.input.schema();
+        let not_float = schema
+            .fields()
+            .iter()
+            .enumerate()
+            .filter(|(_, field)| !field.data_type().is_floating())
+            .map(|(index, _)| index)
+            .collect();
+        Ok(FilterDescription::new().with_child(
+            ChildFilterDescription::from_child_with_allowed_indices(
+                &parent_filters,
+                not_float,
+                &self.input,
+            )?,
+        ))
+    }
+
+    fn child_stats_requests(&self, partition: Option<usize>) -> Vec<ChildStats> {
+        vec![ChildStats::At(partition)]
+    }
+
+    fn statistics_from_inputs(
+        &self,
+        input_stats: &[Arc<Statistics>],
+        _args: &StatisticsArgs,
+    ) -> Result<Arc<Statistics>> {
+        Ok(Arc::clone(&input_stats[0]))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        self.input.execute(partition, context)
+    }
 }

@@ -31,7 +31,7 @@ use datafusion::arrow::datatypes::DataType;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::stats::Precision;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
-use datafusion::common::{JoinType, NullEquality, Result, ScalarValue};
+use datafusion::common::{JoinSide, JoinType, NullEquality, Result, ScalarValue};
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_expr::PhysicalExpr;
@@ -714,6 +714,136 @@ pub(crate) fn trace_column(
     None
 }
 
+/// The scan output columns that output column `index` of `plan` is computed
+/// from, followed by position (never by name) through projections, filters,
+/// hash joins of every type, the grouping columns of aggregations and
+/// operators that pass rows through, added to `sources`; `None` past an
+/// operator it does not follow.
+///
+/// DataFusion 55 pushes a filter through a projection by column *name*: in
+/// a projection with two columns of one name (a self-join's `pkey` and
+/// `pkey`) a join's dynamic filter on the second reaches the table of the
+/// first. [`WaitForJoinFilters`] checks each pushed join filter against
+/// this and drops it where it landed on a column its key does not come
+/// from.
+pub(crate) fn column_sources(
+    plan: &Arc<dyn ExecutionPlan>,
+    index: usize,
+    sources: &mut Vec<(Arc<dyn ExecutionPlan>, usize)>,
+) -> Option<()> {
+    if plan.downcast_ref::<SieveScanExec>().is_some() {
+        sources.push((Arc::clone(plan), index));
+        return Some(());
+    }
+    let of_expression =
+        |expr: &Arc<dyn PhysicalExpr>,
+         input: &Arc<dyn ExecutionPlan>,
+         sources: &mut Vec<(Arc<dyn ExecutionPlan>, usize)>| {
+            collect_columns(expr)
+                .iter()
+                .try_for_each(|column| column_sources(input, column.index(), sources))
+        };
+    if let Some(projection) = plan.downcast_ref::<ProjectionExec>() {
+        let expr = &projection.expr().get(index)?.expr;
+        return of_expression(expr, projection.input(), sources);
+    }
+    if let Some(filter) = plan.downcast_ref::<FilterExec>() {
+        let index = match filter.projection() {
+            Some(projection) => *projection.get(index)?,
+            None => index,
+        };
+        return column_sources(filter.input(), index, sources);
+    }
+    if let Some(join) = plan.downcast_ref::<HashJoinExec>() {
+        let index = match &join.projection {
+            Some(projection) => *projection.get(index)?,
+            None => index,
+        };
+        let (_, columns) = datafusion::physical_plan::joins::utils::build_join_schema(
+            &join.left().schema(),
+            &join.right().schema(),
+            join.join_type(),
+        );
+        let column = columns.get(index)?;
+        let (input, other, keys) = match column.side {
+            JoinSide::Left => (join.left(), join.right(), true),
+            JoinSide::Right => (join.right(), join.left(), false),
+            // A mark column comes from no table.
+            JoinSide::None => return Some(()),
+        };
+        column_sources(input, column.index, sources)?;
+        // A semi join's output key equals a key of the other side, where
+        // DataFusion pushes filters on it too.
+        if matches!(join.join_type(), JoinType::LeftSemi | JoinType::RightSemi) {
+            for (left, right) in join.on() {
+                let (mine, theirs) = if keys { (left, right) } else { (right, left) };
+                if mine
+                    .downcast_ref::<Column>()
+                    .is_some_and(|key| key.index() == column.index)
+                {
+                    of_expression(theirs, other, sources)?;
+                }
+            }
+        }
+        return Some(());
+    }
+    if let Some(aggregate) = plan.downcast_ref::<AggregateExec>() {
+        return match aggregate.group_expr().expr().get(index) {
+            Some((expr, _)) if !aggregate.group_expr().has_grouping_set() => {
+                of_expression(expr, aggregate.input(), sources)
+            }
+            // An aggregate's value comes from no table column as it is.
+            None => Some(()),
+            Some(_) => None,
+        };
+    }
+    let passes_through = plan.downcast_ref::<RepartitionExec>().is_some()
+        || plan.downcast_ref::<CoalescePartitionsExec>().is_some()
+        || plan.downcast_ref::<SortExec>().is_some()
+        || plan
+            .downcast_ref::<datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec>()
+            .is_some()
+        || plan.downcast_ref::<BuildKeysExec>().is_some()
+        || plan.downcast_ref::<crate::MergePartitionsExec>().is_some()
+        || plan.downcast_ref::<crate::JoinInputExec>().is_some()
+        || plan.downcast_ref::<crate::SpillableHashJoinExec>().is_some();
+    #[allow(deprecated)]
+    let passes_through = passes_through
+        || plan
+            .downcast_ref::<datafusion::physical_plan::coalesce_batches::CoalesceBatchesExec>()
+            .is_some();
+    if passes_through {
+        let [input] = &plan.children()[..] else {
+            return None;
+        };
+        return column_sources(input, index, sources);
+    }
+    None
+}
+
+/// Whether a dynamic filter of `join` that reached `scan` over its output
+/// columns `columns` sits where the join's probe keys come from; `true`
+/// where that cannot be followed.
+fn filter_where_keys_come_from(
+    join: &HashJoinExec,
+    scan: &Arc<dyn ExecutionPlan>,
+    columns: &[usize],
+) -> bool {
+    let mut sources = Vec::new();
+    for (_, probe_key) in join.on() {
+        for column in collect_columns(probe_key) {
+            if column_sources(join.right(), column.index(), &mut sources).is_none() {
+                return true;
+            }
+        }
+    }
+    columns.iter().all(|column| {
+        sources
+            .iter()
+            .any(|(source, index)| Arc::ptr_eq(source, scan) && index == column)
+    })
+}
+
 impl PhysicalOptimizerRule for WaitForJoinFilters {
     fn optimize(
         &self,
@@ -866,6 +996,21 @@ impl PhysicalOptimizerRule for WaitForJoinFilters {
                         continue;
                     }
                     let info = joins.get_mut(&source.join).expect("every join is listed");
+                    let join = nodes[source.join]
+                        .downcast_ref::<HashJoinExec>()
+                        .expect("a join's place");
+                    let columns = current.join_filter_columns(source.id);
+                    if !filter_where_keys_come_from(join, &node, &columns) {
+                        updated = Some(current.without_join_filter(
+                            source.id,
+                            format!(
+                                "join filter from {} dropped: pushed onto a column its \
+                                 probe key does not come from",
+                                info.name
+                            ),
+                        ));
+                        continue;
+                    }
                     // A build side with about as many keys as the probe key can
                     // take filters nothing, yet building its key list costs the
                     // join: drop the filter, so the join does not compute it.

@@ -624,6 +624,21 @@ impl SieveScanExec {
         self.early.clear();
     }
 
+    /// The output columns the join filter holding dynamic filter
+    /// `expression_id` reads.
+    pub fn join_filter_columns(&self, expression_id: u64) -> Vec<usize> {
+        let mut columns: Vec<usize> = self
+            .join_filters
+            .iter()
+            .filter(|slot| contains_expression_id(&slot.filter, expression_id))
+            .flat_map(|slot| datafusion::physical_expr::utils::collect_columns(&slot.filter))
+            .map(|column| column.index())
+            .collect();
+        columns.sort_unstable();
+        columns.dedup();
+        columns
+    }
+
     /// Whether any held dynamic filter has `expression_id`.
     pub fn holds_expression_id(&self, expression_id: u64) -> bool {
         self.join_filters

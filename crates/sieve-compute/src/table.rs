@@ -25,7 +25,7 @@ use sieve_fragment::{check_allowed, pruning_predicate, ExpressionShape};
 
 use crate::checked_reader::CheckedReaderFactory;
 use crate::copies::TableCopy;
-use crate::nan_safe::nan_safe;
+use crate::nan_safe::{nan_safe, FloatFilterGuardExec};
 use crate::scan::ScanChoice;
 
 use crate::range_store::{ClusterRangeStore, CLUSTER_RANGE_URL};
@@ -159,7 +159,8 @@ impl SieveTable {
             .with_projection_indices(Some(needed.clone()))?
             .with_statistics(self.table.statistics.clone())
             .build();
-        let scan: Arc<dyn ExecutionPlan> = DataSourceExec::from_data_source(config);
+        let scan: Arc<dyn ExecutionPlan> =
+            FloatFilterGuardExec::over(DataSourceExec::from_data_source(config));
         finish_scan(scan, &needed, projection, predicate)
     }
 }
