@@ -344,6 +344,8 @@ pub struct FuzzReport {
     /// catalog's), of all schemas run; the others were slice files placed
     /// in the node directories.
     pub schemas_through_catalog: (usize, usize),
+    /// Schemas by the types of their join keys ("Int32/Int64", "Utf8").
+    pub schemas_by_key_types: BTreeMap<String, usize>,
     /// Compared queries whose plan took each of Sieve's rewrites (by its
     /// EXPLAIN marker, [`PLAN_FEATURES`]), in the default, star-joins and
     /// wide-joins modes: what the comparisons exercised.
@@ -387,6 +389,12 @@ impl FuzzReport {
             "{} of {} schema(s) loaded through the write path",
             self.schemas_through_catalog.0, self.schemas_through_catalog.1
         );
+        let key_types: Vec<String> = self
+            .schemas_by_key_types
+            .iter()
+            .map(|(types, count)| format!("{types} {count}"))
+            .collect();
+        let _ = writeln!(text, "schemas by join key types: {}", key_types.join(", "));
         let modes: Vec<String> = self
             .comparisons_by_mode
             .iter()
@@ -538,6 +546,20 @@ async fn run_schema(
     // Every other schema through the write path (a table catalog's
     // tables), the others as slice files placed in the node directories.
     let through_catalog = schema_seed.is_multiple_of(2);
+    let mut key_types: Vec<String> = schema
+        .tables
+        .iter()
+        .flat_map(|table| &table.spec.columns)
+        .filter(|column| column.key.is_some())
+        .map(|column| column.data_type.to_string())
+        .collect();
+    key_types.sort();
+    key_types.dedup();
+    let key_types = key_types.join("/");
+    *report
+        .schemas_by_key_types
+        .entry(key_types.clone())
+        .or_default() += 1;
     report.schemas_through_catalog.1 += 1;
     if through_catalog {
         report.schemas_through_catalog.0 += 1;
@@ -680,20 +702,11 @@ async fn run_schema(
             .iter()
             .map(|table| table.spec.rows())
             .collect();
-        let mut key_types: Vec<String> = schema
-            .tables
-            .iter()
-            .flat_map(|table| &table.spec.columns)
-            .filter(|column| column.key.is_some())
-            .map(|column| column.data_type.to_string())
-            .collect();
-        key_types.sort();
-        key_types.dedup();
         println!(
             "schema {schema_index} (seed {schema_seed:#018x}, {} tables of {rows:?} rows, \
              keys {}): {} queries, {} plan failure(s) in plain DataFusion, {} mismatch(es), {:.1} s",
             schema.tables.len(),
-            key_types.join("/"),
+            key_types,
             options.only_query.map_or(options.queries_per_schema, |_| 1),
             report.reference_plan_failures - plan_failures_before,
             report.mismatches.len() - mismatches_before,

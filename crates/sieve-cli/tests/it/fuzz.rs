@@ -77,6 +77,21 @@ async fn sieve_agrees_with_plain_datafusion_on_random_queries() {
         .copied()
         .unwrap_or(0);
     assert!(wide > 0, "no wide join was compared:\n{}", report.summary());
+    // Joins on keys other than integers (floats with NaN and both zeros,
+    // texts, dates, decimals) were compared.
+    let integer = |types: &str| {
+        types
+            .split('/')
+            .all(|key_type| key_type.starts_with("Int") || key_type.starts_with("UInt"))
+    };
+    assert!(
+        report
+            .schemas_by_key_types
+            .keys()
+            .any(|types| !integer(types)),
+        "no schema joined on keys other than integers:\n{}",
+        report.summary()
+    );
     let reproductions: Vec<String> = report.mismatches.iter().map(ToString::to_string).collect();
     assert!(
         report.mismatches.is_empty(),
