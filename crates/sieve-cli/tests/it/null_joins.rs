@@ -17,7 +17,7 @@ use datafusion::prelude::SessionContext;
 use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{reference_context_for, rows_as_text, run};
 use sieve_compute::{SieveSession, GRACE_FAN_OUT};
-use sieve_format::{copy_slice, node_directory, slice_path, write_slice, SliceLayout};
+use sieve_format::node_directory;
 
 const NODES: usize = 3;
 
@@ -66,23 +66,12 @@ fn batch(
     .unwrap()
 }
 
-/// `name` as `slices` slices of `rows` rows, each on two nodes, in small
-/// row groups and pages so that pruning runs.
+/// `name` as `slices` slices of `rows` rows, each on two nodes.
 fn write_table(root: &Path, name: &str, slices: usize, rows: usize, shape: (usize, usize, usize)) {
-    let layout = SliceLayout {
-        row_group_rows_max: 512,
-        data_page_rows_max: 128,
-        ..SliceLayout::default()
-    };
     let (null_every, stride, modulo) = shape;
-    for part in 0..slices {
-        let node = part % NODES;
-        let path = slice_path(&node_directory(root, node), name, part);
-        let batch = batch(part * rows, rows, null_every, stride, modulo);
-        write_slice(&path, &schema(), &layout, [Ok(batch)]).unwrap();
-        let replica = slice_path(&node_directory(root, (node + 1) % NODES), name, part);
-        copy_slice(&path, &replica).unwrap();
-    }
+    crate::common::write_replicated_table(root, name, slices, |part| {
+        batch(part * rows, rows, null_every, stride, modulo)
+    });
 }
 
 fn data() -> PathBuf {

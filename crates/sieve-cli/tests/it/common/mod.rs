@@ -353,3 +353,31 @@ pub(crate) async fn node_stats_sum(
     }
     total
 }
+
+/// Table `name` as `slices` slices, slice `part` holding `batch(part)`,
+/// written on node `part % NODES` and copied to the next node, in small
+/// row groups (512 rows) and pages (128 rows) so that pruning runs.
+pub(crate) fn write_replicated_table(
+    root: &Path,
+    name: &str,
+    slices: usize,
+    batch: impl Fn(usize) -> arrow::record_batch::RecordBatch,
+) {
+    let layout = SliceLayout {
+        row_group_rows_max: 512,
+        data_page_rows_max: 128,
+        ..SliceLayout::default()
+    };
+    for part in 0..slices {
+        let node = part % NODES;
+        let path = sieve_format::slice_path(&sieve_format::node_directory(root, node), name, part);
+        let batch = batch(part);
+        sieve_format::write_slice(&path, &batch.schema(), &layout, [Ok(batch)]).unwrap();
+        let replica = sieve_format::slice_path(
+            &sieve_format::node_directory(root, (node + 1) % NODES),
+            name,
+            part,
+        );
+        sieve_format::copy_slice(&path, &replica).unwrap();
+    }
+}
