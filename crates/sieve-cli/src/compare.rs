@@ -11,7 +11,7 @@ use datafusion::datasource::MemTable;
 use datafusion::execution::SessionStateBuilder;
 use datafusion::parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use datafusion::prelude::{SessionConfig, SessionContext};
-use sieve_compute::physical_rules_without_static_filter_pushdown;
+use sieve_compute::physical_rules_corrected;
 use sieve_compute::tables::TableStore;
 use sieve_format::{node_directory, slice_file_name, TABLE_CATALOG_FILE, TPCH_TABLES};
 use std::sync::Arc;
@@ -44,20 +44,30 @@ pub async fn reference_context_for(
         .set_bool("datafusion.optimizer.enable_dynamic_filter_pushdown", false)
         // Panics over floats with NaN in DataFusion 55 (see sieve_compute's session).
         .set_bool("datafusion.optimizer.enable_topk_aggregation", false);
-    // Without DataFusion's physical filter pushdown, which maps filters
-    // through projections by column name (a wrong answer in DataFusion 55;
-    // see `sieve_compute::physical_rules_without_static_filter_pushdown`).
+    // DataFusion's physical rules with the corrections of two wrong answers
+    // of DataFusion 55 (`sieve_compute::physical_rules_corrected`): without
+    // its physical filter pushdown, which maps filters through projections
+    // by column name, and with float equalities kept from dropping sort
+    // keys (checked apart from this reference by `tests/it/signed_zeros.rs`,
+    // which sorts in Rust).
     let state = SessionStateBuilder::new()
         .with_config(config)
         .with_default_features()
         .with_physical_optimizer_rules(
-            physical_rules_without_static_filter_pushdown()
+            physical_rules_corrected()
                 .into_iter()
                 .filter(|rule| rule.name() != "FilterPushdown(Post)")
                 .collect(),
         )
         .build();
     let context = SessionContext::new_with_state(state);
+    // DataFusion 55's grouped `min` and `max` over floats depend on the
+    // order of the rows; these follow total order, as Sieve's do (checked
+    // apart from this reference by their unit test and by
+    // `tests/it/signed_zeros.rs`, which computes them in Rust).
+    for function in sieve_fragment::total_order_min_max() {
+        context.register_udaf(function);
+    }
     // Tables of the data set's catalog (loaded through the write path):
     // the slice files of their latest version.
     let catalog = root.join(TABLE_CATALOG_FILE);

@@ -47,6 +47,7 @@ mod range_store;
 pub mod raw;
 mod scan;
 mod session;
+mod signed_zero;
 mod spill_join;
 mod star_join;
 mod table;
@@ -79,8 +80,9 @@ pub use range_store::{ClusterRangeStore, RANGE_REQUEST_TIMEOUT_MS};
 pub use scan::{PushedAggregate, ScanOptions, SieveScanExec, BODY_INLINE_BYTES_MAX};
 pub use session::{
     connect_session, connect_session_with_config, connect_session_with_tables,
-    physical_rules_without_static_filter_pushdown, session_over, SieveSession,
+    physical_rules_corrected, session_over, SieveSession,
 };
+pub use signed_zero::{FloatEqualityExec, KeepFloatEqualitiesApart, UnwrapFloatEqualities};
 pub use spill_join::{
     JoinInputExec, SpillHashJoins, SpillableHashJoinExec, GRACE_DEPTH_MAX, GRACE_FAN_OUT,
     JOIN_BUILD_BYTES_MAX,

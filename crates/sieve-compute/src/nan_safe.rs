@@ -42,6 +42,14 @@ pub(crate) struct PruningOpaqueExpr {
     inner: Arc<dyn PhysicalExpr>,
 }
 
+impl PruningOpaqueExpr {
+    /// `inner`, opaque to DataFusion's analyses (pruning, equivalences,
+    /// intervals); see also [`crate::signed_zero`].
+    pub(crate) fn over(inner: Arc<dyn PhysicalExpr>) -> Arc<dyn PhysicalExpr> {
+        Arc::new(Self { inner })
+    }
+}
+
 impl Hash for PruningOpaqueExpr {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
         self.inner.as_ref().hash(state);

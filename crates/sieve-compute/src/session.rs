@@ -134,38 +134,52 @@ impl SieveSession {
     }
 }
 
-/// DataFusion's physical optimizer rules without its first `FilterPushdown`
-/// pass, which pushes plan filters (not dynamic ones) into operators below:
-/// in DataFusion 55 it maps a filter through a projection by column name,
-/// so `b.s < concat(a.s, 'x')` above a join of two tables that both have
-/// `s` became `b.s < concat(b.s, 'x')` below it, a wrong answer (found by
-/// `sieve fuzz`, seed 1, schema 12). Filters still reach the scans through
-/// the logical plan (`TableProvider::scan`); the second pass, which links a
-/// hash join's dynamic filter to the probe scan, stays.
-pub fn physical_rules_without_static_filter_pushdown(
-) -> Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> {
-    PhysicalOptimizer::new()
-        .rules
-        .into_iter()
-        .filter(|rule| rule.name() != "FilterPushdown")
-        .collect()
+/// DataFusion's physical optimizer rules, corrected where DataFusion 55
+/// gives wrong answers:
+///
+/// - without its first `FilterPushdown` pass, which pushes plan filters
+///   (not dynamic ones) into operators below: in DataFusion 55 it maps a
+///   filter through a projection by column name, so `b.s < concat(a.s,
+///   'x')` above a join of two tables that both have `s` became `b.s <
+///   concat(b.s, 'x')` below it (found by `sieve fuzz`, seed 1, schema 12).
+///   Filters still reach the scans through the logical plan
+///   (`TableProvider::scan`); the second pass, which links a hash join's
+///   dynamic filter to the probe scan, stays.
+/// - with [`crate::KeepFloatEqualitiesApart`] right before
+///   `EnsureRequirements` and [`crate::UnwrapFloatEqualities`] right after,
+///   so that a float equality (`x = 0.0`, a join on a float key) does not
+///   drop a key from a sort (`crate::signed_zero`).
+pub fn physical_rules_corrected() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> {
+    let mut rules = Vec::new();
+    for rule in PhysicalOptimizer::new().rules {
+        match rule.name() {
+            "FilterPushdown" => {}
+            "EnsureRequirements" => {
+                rules.push(Arc::new(crate::KeepFloatEqualitiesApart) as _);
+                rules.push(rule);
+                rules.push(Arc::new(crate::UnwrapFloatEqualities) as _);
+            }
+            _ => rules.push(rule),
+        }
+    }
+    rules
 }
 
 /// The physical optimizer rules of a Sieve session before Sieve's own that
-/// run last: [`physical_rules_without_static_filter_pushdown`], with
+/// run last: [`physical_rules_corrected`], with
 /// [`crate::BuildOnFilteredSide`] right after DataFusion's `JoinSelection`
 /// (before DataFusion creates the joins' dynamic filters) and
 /// [`crate::WidenLargeJoins`] right after its `EnsureRequirements` (which
-/// places the repartitions it widens).
+/// places the repartitions it widens) and Sieve's unwrapping that follows.
 fn physical_rules_with_join_sides() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> {
     let mut rules = Vec::new();
-    for rule in physical_rules_without_static_filter_pushdown() {
+    for rule in physical_rules_corrected() {
         let name = rule.name().to_string();
         rules.push(rule);
         if name == "join_selection" {
             rules.push(Arc::new(crate::BuildOnFilteredSide) as _);
         }
-        if name == "EnsureRequirements" {
+        if name == "UnwrapFloatEqualities" {
             rules.push(Arc::new(crate::WidenLargeJoins) as _);
         }
     }
@@ -253,6 +267,11 @@ pub fn session_over(
         .with_query_planner(Arc::new(crate::memory::ReleaseMemoryPlanner))
         .build();
     let context = SessionContext::new_with_state(state);
+    // Grouped `min` and `max` over floats in total order, as the storage
+    // nodes run them (`sieve_fragment::total_order_min_max`).
+    for function in sieve_fragment::total_order_min_max() {
+        context.register_udaf(function);
+    }
     for benchmark in sieve_format::Benchmark::ALL {
         context.register_udtf(
             benchmark.name(),

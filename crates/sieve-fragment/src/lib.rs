@@ -42,6 +42,7 @@ mod errors;
 mod join_filter;
 mod like;
 mod limits;
+mod min_max;
 mod pruning;
 mod registered_body;
 mod slice_plan;
@@ -79,6 +80,7 @@ pub use limits::{
     check_expression_limits, dismantle, ExpressionShape, EXPRESSION_DEPTH_MAX,
     EXPRESSION_NODES_MAX, LITERAL_BYTES_MAX,
 };
+pub use min_max::total_order_min_max;
 pub use pruning::{pruning_predicate, reads_float_column};
 pub use registered_body::{
     BodyNotHeld, FragmentBodyRegistration, BODY_NOT_HELD_KIND, REGISTERED_BODY_BYTES_MAX,

@@ -210,6 +210,11 @@ impl SliceExecutor {
     /// An executor over `catalog`.
     pub fn new(catalog: Arc<NodeCatalog>, options: ExecuteOptions) -> Self {
         let context = SessionContext::new();
+        // Fragments name `min` and `max`: grouped ones over floats in total
+        // order, as the compute node runs them.
+        for function in sieve_fragment::total_order_min_max() {
+            context.register_udaf(function);
+        }
         Self {
             catalog,
             task_context: context.task_ctx(),

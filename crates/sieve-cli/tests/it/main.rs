@@ -46,6 +46,7 @@ mod serve_concurrency;
 mod serve_flight_sql;
 mod serve_pg;
 mod serve_python;
+mod signed_zeros;
 mod slice_details;
 mod sorted_copies;
 mod ssb;

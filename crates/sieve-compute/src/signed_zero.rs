@@ -1,0 +1,303 @@
+//! Sorts over floats that compare equal and sort apart (-0.0 and 0.0).
+//!
+//! SQL's `=` holds between -0.0 and 0.0 (DataFusion 55's filters and hash
+//! joins match the two), but ORDER BY puts -0.0 first (IEEE total order).
+//! DataFusion 55's equivalence properties read a filter's `x = 0.0` as "x
+//! is one constant value" and an inner join's `a.x = b.y` as "a.x and b.y
+//! are the same value", and `EnsureRequirements` then drops the "constant"
+//! or "duplicate" key from a sort: `WHERE x = 0.0 ORDER BY x, id` sorts by
+//! `id` alone, `... ON a.x = b.y ORDER BY a.x, b.y, id` by `a.x, id`. Over
+//! both zeros that is a wrong order, and a wrong row under LIMIT, in plain
+//! DataFusion too (`docs/results/2026-11-28-issue20-part22.md`).
+//!
+//! [`KeepFloatEqualitiesApart`] runs right before `EnsureRequirements` and
+//! wraps each such operator in a [`FloatEqualityExec`], whose equivalence
+//! properties are the operator's without those equalities (a filter's
+//! float equality made opaque to DataFusion's analysis, a join's float key
+//! pairs left out); [`UnwrapFloatEqualities`] right after takes the
+//! wrappers out again, so no other rule meets them. Equalities with a
+//! literal that is neither zero nor NaN stay: every row that passes them
+//! holds that one value.
+
+use std::fmt;
+use std::sync::Arc;
+
+use arrow::datatypes::Schema;
+use datafusion::common::config::ConfigOptions;
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::common::{internal_err, JoinType, Result, ScalarValue, Statistics};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::logical_expr::Operator;
+use datafusion::physical_expr::equivalence::{join_equivalence_properties, ProjectionMapping};
+use datafusion::physical_expr::expressions::{BinaryExpr, Literal};
+use datafusion::physical_expr::{conjunction, split_conjunction, PhysicalExpr};
+use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_plan::filter::{FilterExec, FilterExecBuilder};
+use datafusion::physical_plan::joins::utils::build_join_schema;
+use datafusion::physical_plan::joins::HashJoinExec;
+use datafusion::physical_plan::statistics::{ChildStats, StatisticsArgs};
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
+};
+
+use crate::nan_safe::PruningOpaqueExpr;
+
+/// Wraps the filters and inner hash joins whose float equalities DataFusion
+/// would take for value identities (see the module documentation).
+#[derive(Debug, Default)]
+pub struct KeepFloatEqualitiesApart;
+
+impl PhysicalOptimizerRule for KeepFloatEqualitiesApart {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        _config: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        plan.transform_up(|node| match FloatEqualityExec::over(&node)? {
+            Some(wrapped) => Ok(Transformed::yes(wrapped)),
+            None => Ok(Transformed::no(node)),
+        })
+        .map(|transformed| transformed.data)
+    }
+
+    fn name(&self) -> &str {
+        "KeepFloatEqualitiesApart"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+/// Takes out the [`FloatEqualityExec`]s once `EnsureRequirements` has
+/// placed the sorts.
+#[derive(Debug, Default)]
+pub struct UnwrapFloatEqualities;
+
+impl PhysicalOptimizerRule for UnwrapFloatEqualities {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        _config: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        plan.transform_up(|node| match node.downcast_ref::<FloatEqualityExec>() {
+            Some(wrapper) => Ok(Transformed::yes(Arc::clone(&wrapper.input))),
+            None => Ok(Transformed::no(node)),
+        })
+        .map(|transformed| transformed.data)
+    }
+
+    fn name(&self) -> &str {
+        "UnwrapFloatEqualities"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+/// Whether `expr = other` (over `schema`) may hold for rows whose `expr`
+/// values differ: `expr` is a float and `other` anything but a literal
+/// that is neither zero nor NaN.
+fn equality_spans_values(
+    expr: &Arc<dyn PhysicalExpr>,
+    other: &Arc<dyn PhysicalExpr>,
+    schema: &Schema,
+) -> bool {
+    let float = expr
+        .data_type(schema)
+        .map(|data_type| data_type.is_floating())
+        .unwrap_or(true);
+    if !float {
+        return false;
+    }
+    let one_value = other.downcast_ref::<Literal>().is_some_and(|literal| {
+        match literal.value() {
+            ScalarValue::Float16(Some(value)) => {
+                let value = f32::from(*value);
+                value != 0.0 && !value.is_nan()
+            }
+            ScalarValue::Float32(Some(value)) => *value != 0.0 && !value.is_nan(),
+            ScalarValue::Float64(Some(value)) => *value != 0.0 && !value.is_nan(),
+            // A NULL literal passes no row.
+            value => value.is_null(),
+        }
+    });
+    !one_value
+}
+
+/// Whether `conjunct` is an equality DataFusion would take for a value
+/// identity that does not hold.
+fn is_float_equality(conjunct: &Arc<dyn PhysicalExpr>, schema: &Schema) -> bool {
+    let Some(binary) = conjunct.downcast_ref::<BinaryExpr>() else {
+        return false;
+    };
+    binary.op() == &Operator::Eq
+        && (equality_spans_values(binary.left(), binary.right(), schema)
+            || equality_spans_values(binary.right(), binary.left(), schema))
+}
+
+/// A filter or an inner hash join, reporting the equivalence properties it
+/// has without its float equalities; present only while
+/// `EnsureRequirements` runs.
+#[derive(Debug)]
+pub struct FloatEqualityExec {
+    input: Arc<dyn ExecutionPlan>,
+    properties: Arc<PlanProperties>,
+}
+
+impl FloatEqualityExec {
+    /// `plan` wrapped, if it is a filter or an inner hash join with a
+    /// float equality.
+    fn over(plan: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+        let properties = if let Some(filter) = plan.downcast_ref::<FilterExec>() {
+            filter_properties(filter)?
+        } else if let Some(join) = plan.downcast_ref::<HashJoinExec>() {
+            join_properties(join)?
+        } else {
+            None
+        };
+        Ok(properties.map(|properties| {
+            Arc::new(Self {
+                input: Arc::clone(plan),
+                properties: Arc::new(properties),
+            }) as _
+        }))
+    }
+}
+
+/// The properties of `filter` with its float equalities opaque, if it has
+/// one.
+fn filter_properties(filter: &FilterExec) -> Result<Option<PlanProperties>> {
+    let schema = filter.input().schema();
+    let conjuncts = split_conjunction(filter.predicate());
+    if !conjuncts
+        .iter()
+        .any(|conjunct| is_float_equality(conjunct, &schema))
+    {
+        return Ok(None);
+    }
+    let predicate = conjunction(conjuncts.into_iter().map(|conjunct| {
+        if is_float_equality(conjunct, &schema) {
+            PruningOpaqueExpr::over(Arc::clone(conjunct))
+        } else {
+            Arc::clone(conjunct)
+        }
+    }));
+    let shadow = FilterExecBuilder::new(predicate, Arc::clone(filter.input()))
+        .with_default_selectivity(filter.default_selectivity())
+        .apply_projection_by_ref(filter.projection().as_ref())?
+        .build()?;
+    Ok(Some(shadow.properties().as_ref().clone()))
+}
+
+/// The properties of an inner `join` without its float key pairs, if it
+/// has one.
+fn join_properties(join: &HashJoinExec) -> Result<Option<PlanProperties>> {
+    if join.join_type != JoinType::Inner {
+        return Ok(None);
+    }
+    let left = join.left.schema();
+    let right = join.right.schema();
+    let exact = |(l, r): &&(Arc<dyn PhysicalExpr>, Arc<dyn PhysicalExpr>)| {
+        !equality_spans_values(l, r, &left) && !equality_spans_values(r, l, &right)
+    };
+    let on: Vec<_> = join.on.iter().filter(exact).cloned().collect();
+    if on.len() == join.on.len() {
+        return Ok(None);
+    }
+    let (schema, _) = build_join_schema(&left, &right, &join.join_type);
+    let schema = Arc::new(schema);
+    let mut equivalences = join_equivalence_properties(
+        join.left.equivalence_properties().clone(),
+        join.right.equivalence_properties().clone(),
+        &join.join_type,
+        Arc::clone(&schema),
+        &join.maintains_input_order(),
+        Some(HashJoinExec::probe_side()),
+        &on,
+    )?;
+    if let Some(projection) = &join.projection {
+        let mapping = ProjectionMapping::from_indices(projection, &schema)?;
+        equivalences = equivalences.project(&mapping, join.schema());
+    }
+    let own = join.properties();
+    Ok(Some(PlanProperties::new(
+        equivalences,
+        own.partitioning.clone(),
+        own.emission_type,
+        own.boundedness,
+    )))
+}
+
+impl DisplayAs for FloatEqualityExec {
+    fn fmt_as(&self, _format: DisplayFormatType, formatter: &mut fmt::Formatter) -> fmt::Result {
+        write!(
+            formatter,
+            "FloatEqualityExec: float equalities are not value identities"
+        )
+    }
+}
+
+impl ExecutionPlan for FloatEqualityExec {
+    fn name(&self) -> &str {
+        "FloatEqualityExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.properties
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.input]
+    }
+
+    /// Not claimed, so that `EnsureRequirements` puts a sort above the
+    /// wrapper (by its properties) rather than between it and the operator.
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![false]
+    }
+
+    fn benefits_from_input_partitioning(&self) -> Vec<bool> {
+        vec![false]
+    }
+
+    /// Rewrapped (with properties recomputed) where the new child still
+    /// has a float equality; the child alone otherwise.
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let [input] = &children[..] else {
+            return internal_err!("FloatEqualityExec has one child");
+        };
+        Ok(Self::over(input)?.unwrap_or_else(|| Arc::clone(input)))
+    }
+
+    fn child_stats_requests(&self, partition: Option<usize>) -> Vec<ChildStats> {
+        vec![ChildStats::At(partition)]
+    }
+
+    fn statistics_from_inputs(
+        &self,
+        input_stats: &[Arc<Statistics>],
+        _args: &StatisticsArgs,
+    ) -> Result<Arc<Statistics>> {
+        Ok(Arc::clone(&input_stats[0]))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        self.input.execute(partition, context)
+    }
+}
