@@ -11,8 +11,10 @@
 //!
 //! [`total_order_min_max`] gives `min` and `max` under their own names with
 //! total-order grouped accumulators for `Float32` and `Float64` (`Float16`
-//! goes through the ungrouped accumulator, one per group); everything else
-//! is DataFusion's. The compute node's session and the storage nodes'
+//! goes through the ungrouped accumulator, one per group), and never
+//! answers them over floats from statistics (Parquet's leave NaN out:
+//! DataFusion answered `max` 3.0 from a file's statistics where the rows'
+//! `max` is NaN); everything else is DataFusion's. The compute node's session and the storage nodes'
 //! fragment decoding both use them, so a partial aggregate on a storage
 //! node and the final one on the compute node agree.
 
@@ -163,7 +165,12 @@ impl AggregateUDFImpl for TotalOrder {
         self.inner().is_descending()
     }
 
+    /// Never from statistics over floats: Parquet leaves NaN out of them,
+    /// so they answered `max` 3.0 where the rows' `max` is NaN.
     fn value_from_stats(&self, statistics_args: &StatisticsArgs) -> Option<ScalarValue> {
+        if statistics_args.return_type.is_floating() {
+            return None;
+        }
         self.inner().value_from_stats(statistics_args)
     }
 
@@ -271,6 +278,52 @@ mod tests {
                         assert_eq!(got.to_bits(), greatest.to_bits(), "max {rows:?} f32 {f32s}");
                     }
                 }
+            }
+        }
+    }
+
+    /// Statistics answer `min` and `max` over integers, never over floats
+    /// (Parquet's leave NaN out).
+    #[test]
+    fn statistics_answer_no_float_min_or_max() {
+        use datafusion::common::stats::Precision;
+        use datafusion::common::{ColumnStatistics, Statistics};
+        use datafusion::logical_expr::StatisticsArgs;
+        let [min, max] = total_order_min_max();
+        for (data_type, low, high) in [
+            (
+                DataType::Float64,
+                ScalarValue::Float64(Some(-1.0)),
+                ScalarValue::Float64(Some(3.0)),
+            ),
+            (
+                DataType::Int64,
+                ScalarValue::Int64(Some(-1)),
+                ScalarValue::Int64(Some(3)),
+            ),
+        ] {
+            let schema = Schema::new(vec![Field::new("f", data_type.clone(), true)]);
+            let statistics = Statistics {
+                num_rows: Precision::Exact(5),
+                total_byte_size: Precision::Absent,
+                column_statistics: vec![ColumnStatistics {
+                    min_value: Precision::Exact(low.clone()),
+                    max_value: Precision::Exact(high.clone()),
+                    ..ColumnStatistics::new_unknown()
+                }],
+            };
+            let exprs = [col("f", &schema).unwrap()];
+            let args = StatisticsArgs {
+                statistics: &statistics,
+                return_type: &data_type,
+                is_distinct: false,
+                exprs: &exprs,
+            };
+            let answers = (min.value_from_stats(&args), max.value_from_stats(&args));
+            if data_type.is_floating() {
+                assert_eq!(answers, (None, None));
+            } else {
+                assert_eq!(answers, (Some(low), Some(high)));
             }
         }
     }
