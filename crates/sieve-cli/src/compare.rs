@@ -53,6 +53,9 @@ pub async fn reference_context_for(
     let state = SessionStateBuilder::new()
         .with_config(config)
         .with_default_features()
+        // A float IN list matches both zeros, as `=` does (Sieve's
+        // correction of DataFusion 55; `sieve_compute::signed_zero`).
+        .with_optimizer_rule(Arc::new(sieve_compute::FloatInListsMatchBothZeros))
         .with_physical_optimizer_rules(
             physical_rules_corrected()
                 .into_iter()

@@ -82,7 +82,9 @@ pub use session::{
     connect_session, connect_session_with_config, connect_session_with_tables,
     physical_rules_corrected, session_over, SieveSession,
 };
-pub use signed_zero::{FloatEqualityExec, KeepFloatEqualitiesApart, UnwrapFloatEqualities};
+pub use signed_zero::{
+    FloatEqualityExec, FloatInListsMatchBothZeros, KeepFloatEqualitiesApart, UnwrapFloatEqualities,
+};
 pub use spill_join::{
     JoinInputExec, SpillHashJoins, SpillableHashJoinExec, GRACE_DEPTH_MAX, GRACE_FAN_OUT,
     JOIN_BUILD_BYTES_MAX,

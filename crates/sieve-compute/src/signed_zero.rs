@@ -18,6 +18,12 @@
 //! wrappers out again, so no other rule meets them. Equalities with a
 //! literal that is neither zero nor NaN stay: every row that passes them
 //! holds that one value.
+//!
+//! DataFusion 55's IN list compares floats bit for bit past the few items
+//! it rewrites to `=`s: `x IN (0.0, 1.0)` matched -0.0 and `x IN (0.0,
+//! 1.0, 5.0, 6.0, 7.0)` did not. [`FloatInListsMatchBothZeros`] (a logical
+//! rule, after DataFusion's) gives a float IN list holding one zero the
+//! other one too, so that `x IN (...)` is `x = ... OR ...` for every list.
 
 use std::fmt;
 use std::sync::Arc;
@@ -27,7 +33,9 @@ use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::{internal_err, JoinType, Result, ScalarValue, Statistics};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::logical_expr::Operator;
+use datafusion::logical_expr::expr::InList;
+use datafusion::logical_expr::{lit, Expr, LogicalPlan, Operator};
+use datafusion::optimizer::{OptimizerConfig, OptimizerRule};
 use datafusion::physical_expr::equivalence::{join_equivalence_properties, ProjectionMapping};
 use datafusion::physical_expr::expressions::{BinaryExpr, Literal};
 use datafusion::physical_expr::{conjunction, split_conjunction, PhysicalExpr};
@@ -41,6 +49,78 @@ use datafusion::physical_plan::{
 };
 
 use crate::nan_safe::PruningOpaqueExpr;
+
+/// Float IN lists with one zero get the other (see the module
+/// documentation).
+#[derive(Debug, Default)]
+pub struct FloatInListsMatchBothZeros;
+
+impl OptimizerRule for FloatInListsMatchBothZeros {
+    fn name(&self) -> &str {
+        "sieve_float_in_lists_match_both_zeros"
+    }
+
+    fn supports_rewrite(&self) -> bool {
+        true
+    }
+
+    fn rewrite(
+        &self,
+        plan: LogicalPlan,
+        _config: &dyn OptimizerConfig,
+    ) -> Result<Transformed<LogicalPlan>> {
+        plan.transform_up_with_subqueries(|node| {
+            node.map_expressions(|expr| expr.transform_up(with_both_zeros))
+        })
+    }
+}
+
+/// `expr`, if a float IN list with one zero, with the other one too.
+fn with_both_zeros(expr: Expr) -> Result<Transformed<Expr>> {
+    let Expr::InList(InList {
+        expr: tested,
+        mut list,
+        negated,
+    }) = expr
+    else {
+        return Ok(Transformed::no(expr));
+    };
+    let bits = |item: &Expr| match item {
+        Expr::Literal(ScalarValue::Float64(Some(value)), _) => Some(value.to_bits()),
+        Expr::Literal(ScalarValue::Float32(Some(value)), _) => Some(u64::from(value.to_bits())),
+        _ => None,
+    };
+    let present: Vec<u64> = list.iter().filter_map(bits).collect();
+    let mut missing = Vec::new();
+    for item in &list {
+        let other = match item {
+            Expr::Literal(ScalarValue::Float64(Some(value)), _) if *value == 0.0 => {
+                ScalarValue::Float64(Some(-value))
+            }
+            Expr::Literal(ScalarValue::Float32(Some(value)), _) if *value == 0.0 => {
+                ScalarValue::Float32(Some(-value))
+            }
+            _ => continue,
+        };
+        let other = lit(other);
+        if bits(&other).is_some_and(|other| !present.contains(&other)) && !missing.contains(&other)
+        {
+            missing.push(other);
+        }
+    }
+    let changed = !missing.is_empty();
+    list.extend(missing);
+    let expr = Expr::InList(InList {
+        expr: tested,
+        list,
+        negated,
+    });
+    Ok(if changed {
+        Transformed::yes(expr)
+    } else {
+        Transformed::no(expr)
+    })
+}
 
 /// Wraps the filters and inner hash joins whose float equalities DataFusion
 /// would take for value identities (see the module documentation).

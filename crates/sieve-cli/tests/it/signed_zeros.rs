@@ -50,6 +50,11 @@ fn f(id: usize) -> Option<f64> {
     }
 }
 
+/// `a.h` for row `id`: `f`'s values negated, as Float32.
+fn h(id: usize) -> Option<f64> {
+    f(id).map(|v| -(v as f32) as f64)
+}
+
 /// `a.e` for row `id`: -inf alone, 5, NaN and 1 in turn, +inf alone, and
 /// ordinary values, by group.
 fn e(id: usize) -> Option<f64> {
@@ -82,7 +87,7 @@ fn a(part: usize) -> RecordBatch {
         Arc::new(Float64Array::from_iter(ids.iter().map(|&i| f(i)))),
         // The zeros of `f` the other way round.
         Arc::new(Float32Array::from_iter(
-            ids.iter().map(|&i| f(i).map(|v| -(v as f32))),
+            ids.iter().map(|&i| h(i).map(|v| v as f32)),
         )),
         Arc::new(Float64Array::from_iter(ids.iter().map(|&i| e(i)))),
     ];
@@ -286,14 +291,14 @@ async fn mismatches(session: &SieveSession, reference: &SessionContext, mode: &s
         }
     }
     found.extend(grouped_min_max_mismatch(session, mode).await);
+    found.extend(in_list_mismatches(session, mode).await);
     found
 }
 
 /// Each group's `min` and `max` of `f`, `h` and `e`, in total order,
 /// computed in Rust from the rows written.
 fn expected_min_max() -> Vec<Vec<Option<f64>>> {
-    let columns: [&dyn Fn(usize) -> Option<f64>; 3] =
-        [&f, &|id| f(id).map(|v| -(v as f32) as f64), &e];
+    let columns: [&dyn Fn(usize) -> Option<f64>; 3] = [&f, &h, &e];
     (0..20)
         .map(|k| {
             let mut row = vec![Some(k as f64)];
@@ -347,6 +352,61 @@ async fn grouped_min_max_mismatch(session: &SieveSession, mode: &str) -> Vec<Str
             Err(error) => Some(format!("{mode}: {sql}\n  Sieve failed: {error}")),
         };
         found.extend(mismatch);
+    }
+    found
+}
+
+/// IN lists over floats, as `=`s (`-0.0 = 0.0`), computed in Rust. Past
+/// three items DataFusion 55 keeps an IN list, which compared floats bit
+/// for bit.
+async fn in_list_mismatches(session: &SieveSession, mode: &str) -> Vec<String> {
+    let plus_zero = |id: usize| f(id).map(|v| v + 0.0);
+    type Value<'a> = &'a dyn Fn(usize) -> Option<f64>;
+    let cases: [(&str, Value, &[f64], bool); 5] = [
+        ("f", &f, &[0.0, 1.5, 7.0, 8.0, 9.0], false),
+        ("f", &f, &[-0.0, 7.0, 8.0, 9.0, 10.0], false),
+        ("f", &f, &[0.0, 2.5, 7.0, 8.0, 9.0], true),
+        ("h", &h, &[-0.0, -1.5, 7.0, 8.0, 9.0], false),
+        // An expression: -0.0 + 0.0 is 0.0, so only 0.0 reaches the list.
+        ("f + 0.0", &plus_zero, &[-0.0, 1.5, 7.0, 8.0], false),
+    ];
+    let mut found = Vec::new();
+    for (column, value, list, negated) in cases {
+        let items: Vec<String> = list.iter().map(|v| format!("{v:?}")).collect();
+        let not = if negated { "NOT " } else { "" };
+        let sql = format!(
+            "SELECT id FROM a WHERE {column} {not}IN ({})",
+            items.join(", ")
+        );
+        // Each case has rows of the zero the list does not hold, which a
+        // comparison bit for bit would decide the other way.
+        assert!(
+            (0..A_ROWS).any(|id| value(id).is_some_and(
+                |v| v == 0.0 && !list.iter().any(|item| item.to_bits() == v.to_bits())
+            )),
+            "{sql}: no row tells = from bits"
+        );
+        let expected: Vec<i64> = (0..A_ROWS)
+            .filter(|&id| value(id).map(|v| list.contains(&v)) == Some(!negated))
+            .map(|id| id as i64)
+            .collect();
+        match run(&session.context, &sql).await {
+            Ok(batches) => {
+                let mut actual: Vec<i64> = rows(&batches)
+                    .iter()
+                    .map(|row| row[0].unwrap() as i64)
+                    .collect();
+                actual.sort_unstable();
+                if actual != expected {
+                    found.push(format!(
+                        "{mode}: {sql}\n  Sieve: {} rows, expected {}",
+                        actual.len(),
+                        expected.len()
+                    ));
+                }
+            }
+            Err(error) => found.push(format!("{mode}: {sql}\n  Sieve failed: {error}")),
+        }
     }
     found
 }
