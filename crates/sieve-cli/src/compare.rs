@@ -68,7 +68,7 @@ pub async fn reference_context_for(
     // order of the rows; these follow total order, as Sieve's do (checked
     // apart from this reference by their unit test and by
     // `tests/it/signed_zeros.rs`, which computes them in Rust).
-    for function in sieve_fragment::total_order_min_max() {
+    for function in sieve_fragment::corrected_aggregates() {
         context.register_udaf(function);
     }
     // Tables of the data set's catalog (loaded through the write path):

@@ -270,7 +270,7 @@ pub fn session_over(
     let context = SessionContext::new_with_state(state);
     // Grouped `min` and `max` over floats in total order, as the storage
     // nodes run them (`sieve_fragment::total_order_min_max`).
-    for function in sieve_fragment::total_order_min_max() {
+    for function in sieve_fragment::corrected_aggregates() {
         context.register_udaf(function);
     }
     for benchmark in sieve_format::Benchmark::ALL {

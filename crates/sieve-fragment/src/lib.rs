@@ -46,6 +46,7 @@ mod min_max;
 mod pruning;
 mod registered_body;
 mod slice_plan;
+mod sum;
 mod unary;
 mod views;
 mod wire;
@@ -81,6 +82,17 @@ pub use limits::{
     EXPRESSION_NODES_MAX, LITERAL_BYTES_MAX,
 };
 pub use min_max::total_order_min_max;
+pub use sum::checked_sum;
+
+/// DataFusion's aggregate functions that Sieve replaces, under their own
+/// names: `min` and `max` whose grouped accumulators order floats in
+/// total order, and `sum` that fails on integer overflow. The compute
+/// node's session and the storage nodes' fragment decoding register them.
+pub fn corrected_aggregates() -> Vec<datafusion::logical_expr::AggregateUDF> {
+    let mut functions = total_order_min_max().to_vec();
+    functions.push(checked_sum());
+    functions
+}
 pub use pruning::{pruning_predicate, reads_float_column};
 pub use registered_body::{
     BodyNotHeld, FragmentBodyRegistration, BODY_NOT_HELD_KIND, REGISTERED_BODY_BYTES_MAX,

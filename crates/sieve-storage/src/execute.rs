@@ -212,7 +212,7 @@ impl SliceExecutor {
         let context = SessionContext::new();
         // Fragments name `min` and `max`: grouped ones over floats in total
         // order, as the compute node runs them.
-        for function in sieve_fragment::total_order_min_max() {
+        for function in sieve_fragment::corrected_aggregates() {
             context.register_udaf(function);
         }
         Self {

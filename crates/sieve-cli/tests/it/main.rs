@@ -51,4 +51,5 @@ mod slice_details;
 mod sorted_copies;
 mod ssb;
 mod streams;
+mod sum_overflow;
 mod typed_joins;
