@@ -43,7 +43,13 @@ pub async fn reference_context_for(
     let config = SessionConfig::new()
         .set_bool("datafusion.optimizer.enable_dynamic_filter_pushdown", false)
         // Panics over floats with NaN in DataFusion 55 (see sieve_compute's session).
-        .set_bool("datafusion.optimizer.enable_topk_aggregation", false);
+        .set_bool("datafusion.optimizer.enable_topk_aggregation", false)
+        // As Sieve's session (`SELECT DISTINCT (b IS TRUE)` fails to plan
+        // in DataFusion 55 otherwise; see sieve_compute's session).
+        .set_bool(
+            "datafusion.execution.skip_physical_aggregate_schema_check",
+            true,
+        );
     // DataFusion's physical rules with the corrections of two wrong answers
     // of DataFusion 55 (`sieve_compute::physical_rules_corrected`): without
     // its physical filter pushdown, which maps filters through projections
