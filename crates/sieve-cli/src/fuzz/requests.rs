@@ -911,13 +911,16 @@ fn partial_aggregate(schema: &Schema, projection: &[usize]) -> Result<Arc<dyn Ex
         group_name,
     )]);
     let value_column: Arc<dyn PhysicalExpr> = Arc::new(Column::new(value.name(), 1));
+    // The functions as the compute node plans them (Sieve's `min`, `max`
+    // and `sum`, which the storage nodes decode these names to).
+    let [min, max] = sieve_fragment::total_order_min_max();
     let mut functions = vec![
         datafusion::functions_aggregate::count::count_udaf(),
-        datafusion::functions_aggregate::min_max::min_udaf(),
-        datafusion::functions_aggregate::min_max::max_udaf(),
+        Arc::new(min),
+        Arc::new(max),
     ];
     if value.data_type().is_numeric() {
-        functions.push(datafusion::functions_aggregate::sum::sum_udaf());
+        functions.push(Arc::new(sieve_fragment::checked_sum()));
         functions.push(datafusion::functions_aggregate::average::avg_udaf());
     }
     let mut aggregates = vec![];

@@ -90,7 +90,6 @@ async fn star_join_fragments_run_on_the_storage_nodes_and_raw() {
     use arrow::datatypes::{DataType, Field, Schema};
     use datafusion::common::{JoinType, NullEquality};
     use datafusion::datasource::memory::MemorySourceConfig;
-    use datafusion::functions_aggregate::sum::sum_udaf;
     use datafusion::physical_expr::aggregate::AggregateExprBuilder;
     use datafusion::physical_expr::expressions::{CastExpr, Column};
     use datafusion::physical_expr::PhysicalExpr;
@@ -227,7 +226,9 @@ async fn star_join_fragments_run_on_the_storage_nodes_and_raw() {
         )]);
         let sum = Arc::new(
             AggregateExprBuilder::new(
-                sum_udaf(),
+                // Sieve's `sum`, as the SQL planner and the storage nodes
+                // take it.
+                Arc::new(sieve_fragment::checked_sum()),
                 // SUM takes Int64 (the SQL planner casts likewise).
                 vec![Arc::new(CastExpr::new(
                     Arc::new(Column::new("lo_revenue", 1)),
