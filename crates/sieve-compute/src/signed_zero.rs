@@ -11,7 +11,7 @@
 //! DataFusion too (`docs/results/2026-11-28-issue20-part22.md`).
 //!
 //! [`KeepFloatEqualitiesApart`] runs right before `EnsureRequirements` and
-//! wraps each such operator in a [`FloatEqualityExec`], whose equivalence
+//! wraps each such operator (a filter, an inner hash or sort-merge join) in a [`FloatEqualityExec`], whose equivalence
 //! properties are the operator's without those equalities (a filter's
 //! float equality made opaque to DataFusion's analysis, a join's float key
 //! pairs left out); [`UnwrapFloatEqualities`] right after takes the
@@ -31,7 +31,7 @@ use std::sync::Arc;
 use arrow::datatypes::Schema;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
-use datafusion::common::{internal_err, JoinType, Result, ScalarValue, Statistics};
+use datafusion::common::{internal_err, JoinSide, JoinType, Result, ScalarValue, Statistics};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::expr::InList;
 use datafusion::logical_expr::{lit, Expr, LogicalPlan, Operator};
@@ -41,8 +41,8 @@ use datafusion::physical_expr::expressions::{BinaryExpr, Literal};
 use datafusion::physical_expr::{conjunction, split_conjunction, PhysicalExpr};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::filter::{FilterExec, FilterExecBuilder};
-use datafusion::physical_plan::joins::utils::build_join_schema;
-use datafusion::physical_plan::joins::HashJoinExec;
+use datafusion::physical_plan::joins::utils::{build_join_schema, JoinOnRef};
+use datafusion::physical_plan::joins::{HashJoinExec, SortMergeJoinExec};
 use datafusion::physical_plan::statistics::{ChildStats, StatisticsArgs};
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
@@ -122,7 +122,7 @@ fn with_both_zeros(expr: Expr) -> Result<Transformed<Expr>> {
     })
 }
 
-/// Wraps the filters and inner hash joins whose float equalities DataFusion
+/// Wraps the filters and inner hash and sort-merge joins whose float equalities DataFusion
 /// would take for value identities (see the module documentation).
 #[derive(Debug, Default)]
 pub struct KeepFloatEqualitiesApart;
@@ -217,7 +217,7 @@ fn is_float_equality(conjunct: &Arc<dyn PhysicalExpr>, schema: &Schema) -> bool 
             || equality_spans_values(binary.right(), binary.left(), schema))
 }
 
-/// A filter or an inner hash join, reporting the equivalence properties it
+/// A filter or an inner hash or sort-merge join, reporting the equivalence properties it
 /// has without its float equalities; present only while
 /// `EnsureRequirements` runs.
 #[derive(Debug)]
@@ -227,13 +227,35 @@ pub struct FloatEqualityExec {
 }
 
 impl FloatEqualityExec {
-    /// `plan` wrapped, if it is a filter or an inner hash join with a
-    /// float equality.
+    /// `plan` wrapped, if it is a filter or an inner hash or sort-merge
+    /// join with a float equality.
     fn over(plan: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn ExecutionPlan>>> {
         let properties = if let Some(filter) = plan.downcast_ref::<FilterExec>() {
             filter_properties(filter)?
         } else if let Some(join) = plan.downcast_ref::<HashJoinExec>() {
-            join_properties(join)?
+            join_properties(
+                JoinParts {
+                    left: &join.left,
+                    right: &join.right,
+                    on: &join.on,
+                    join_type: join.join_type,
+                    probe_side: HashJoinExec::probe_side(),
+                    projection: join.projection.as_deref(),
+                },
+                plan,
+            )?
+        } else if let Some(join) = plan.downcast_ref::<SortMergeJoinExec>() {
+            join_properties(
+                JoinParts {
+                    left: join.left(),
+                    right: join.right(),
+                    on: join.on(),
+                    join_type: join.join_type(),
+                    probe_side: SortMergeJoinExec::probe_side(&join.join_type()),
+                    projection: None,
+                },
+                plan,
+            )?
         } else {
             None
         };
@@ -271,9 +293,23 @@ fn filter_properties(filter: &FilterExec) -> Result<Option<PlanProperties>> {
     Ok(Some(shadow.properties().as_ref().clone()))
 }
 
-/// The properties of an inner `join` without its float key pairs, if it
-/// has one.
-fn join_properties(join: &HashJoinExec) -> Result<Option<PlanProperties>> {
+/// What the equivalence properties of a hash or sort-merge join are made
+/// of.
+struct JoinParts<'a> {
+    left: &'a Arc<dyn ExecutionPlan>,
+    right: &'a Arc<dyn ExecutionPlan>,
+    on: JoinOnRef<'a>,
+    join_type: JoinType,
+    probe_side: JoinSide,
+    projection: Option<&'a [usize]>,
+}
+
+/// The properties of an inner `join` (the operator `plan`) without its
+/// float key pairs, if it has one.
+fn join_properties(
+    join: JoinParts,
+    plan: &Arc<dyn ExecutionPlan>,
+) -> Result<Option<PlanProperties>> {
     if join.join_type != JoinType::Inner {
         return Ok(None);
     }
@@ -293,15 +329,15 @@ fn join_properties(join: &HashJoinExec) -> Result<Option<PlanProperties>> {
         join.right.equivalence_properties().clone(),
         &join.join_type,
         Arc::clone(&schema),
-        &join.maintains_input_order(),
-        Some(HashJoinExec::probe_side()),
+        &plan.maintains_input_order(),
+        Some(join.probe_side),
         &on,
     )?;
-    if let Some(projection) = &join.projection {
+    if let Some(projection) = join.projection {
         let mapping = ProjectionMapping::from_indices(projection, &schema)?;
-        equivalences = equivalences.project(&mapping, join.schema());
+        equivalences = equivalences.project(&mapping, plan.schema());
     }
-    let own = join.properties();
+    let own = plan.properties();
     Ok(Some(PlanProperties::new(
         equivalences,
         own.partitioning.clone(),

@@ -442,6 +442,14 @@ async fn order_by_tells_the_zeros_apart_after_equalities_on_them() {
         ("join filters", vec![no_star]),
         ("partitioned", [&partitioned[..], &[no_star]].concat()),
         (
+            "sort-merge joins",
+            [
+                &partitioned[..],
+                &[no_star, "datafusion.optimizer.prefer_hash_join=false"],
+            ]
+            .concat(),
+        ),
+        (
             "spilled",
             [
                 &partitioned[..],
