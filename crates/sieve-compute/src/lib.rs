@@ -41,6 +41,7 @@ mod join_order;
 mod join_sides;
 mod late_columns;
 pub mod memory;
+mod merge_join_filter;
 mod nan_safe;
 mod optimizer;
 mod range_store;
@@ -75,6 +76,9 @@ pub use join_filter::{JoinFilterSettings, JoinFilterSlot, KeyFilterSlot};
 pub use join_order::OrderInnerJoins;
 pub use join_sides::BuildOnFilteredSide;
 pub use late_columns::JoinGroupColumnsLate;
+pub use merge_join_filter::{
+    GuardMergeJoinFilters, ProjectionBarrierExec, UnguardMergeJoinFilters,
+};
 pub use optimizer::{PushAggregateToStorage, WaitForJoinFilters};
 pub use range_store::{ClusterRangeStore, RANGE_REQUEST_TIMEOUT_MS};
 pub use scan::{PushedAggregate, ScanOptions, SieveScanExec, BODY_INLINE_BYTES_MAX};

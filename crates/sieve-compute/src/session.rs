@@ -149,6 +149,10 @@ impl SieveSession {
 ///   `EnsureRequirements` and [`crate::UnwrapFloatEqualities`] right after,
 ///   so that a float equality (`x = 0.0`, a join on a float key) does not
 ///   drop a key from a sort (`crate::signed_zero`).
+/// - with [`crate::GuardMergeJoinFilters`] and
+///   [`crate::UnguardMergeJoinFilters`] around each `ProjectionPushdown`,
+///   which projected a sort-merge join's filter columns away below it
+///   (`crate::merge_join_filter`).
 pub fn physical_rules_corrected() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> {
     let mut rules = Vec::new();
     for rule in PhysicalOptimizer::new().rules {
@@ -158,6 +162,11 @@ pub fn physical_rules_corrected() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + 
                 rules.push(Arc::new(crate::KeepFloatEqualitiesApart) as _);
                 rules.push(rule);
                 rules.push(Arc::new(crate::UnwrapFloatEqualities) as _);
+            }
+            "ProjectionPushdown" => {
+                rules.push(Arc::new(crate::GuardMergeJoinFilters) as _);
+                rules.push(rule);
+                rules.push(Arc::new(crate::UnguardMergeJoinFilters) as _);
             }
             _ => rules.push(rule),
         }

@@ -349,3 +349,32 @@ async fn distinct_over_a_never_null_boolean_expression_plans() {
     }
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// With sort-merge joins (`datafusion.optimizer.prefer_hash_join = false`)
+/// DataFusion 55 pushed a projection into a join's inputs without the
+/// columns its filter reads (`ON a.k1 = b.k1 AND a.id <> b.id`): the count
+/// was 0 where plain DataFusion's hash join counts 2,324 (fuzzer seed
+/// 20261132, schema 10 query 90, NDP on and off; the same with DataFusion
+/// alone). Sieve keeps projections above such a join
+/// (`GuardMergeJoinFilters`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sort_merge_join_keeps_the_columns_its_filter_reads() {
+    use sieve_cli::fuzz::{run_fuzz, FuzzOptions, Mode};
+    let data = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fuzz-merge-join-filter");
+    std::fs::create_dir_all(&data).expect("data directory");
+    let options = FuzzOptions {
+        data_directory: Some(data),
+        modes: vec![Mode::Default, Mode::NdpOff],
+        only_schema: Some(10),
+        only_query: Some(90),
+        progress: false,
+        settings: vec![
+            "datafusion.optimizer.prefer_hash_join=false".into(),
+            "sieve.star_join_pushdown=false".into(),
+        ],
+        ..FuzzOptions::new(20_261_132, 11, 91)
+    };
+    let report = run_fuzz(&options).await.expect("the fuzzer runs");
+    assert_eq!(report.comparisons, 2, "{}", report.summary());
+    assert_no_mismatch(&report);
+}
