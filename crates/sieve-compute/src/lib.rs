@@ -77,7 +77,7 @@ pub use join_order::OrderInnerJoins;
 pub use join_sides::BuildOnFilteredSide;
 pub use late_columns::JoinGroupColumnsLate;
 pub use merge_join_filter::{
-    GuardMergeJoinFilters, ProjectionBarrierExec, UnguardMergeJoinFilters,
+    GuardMergeJoinFilters, NullableMergeJoinFilters, ProjectionBarrierExec, UnguardMergeJoinFilters,
 };
 pub use optimizer::{PushAggregateToStorage, WaitForJoinFilters};
 pub use range_store::{ClusterRangeStore, RANGE_REQUEST_TIMEOUT_MS};

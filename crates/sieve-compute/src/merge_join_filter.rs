@@ -11,16 +11,26 @@
 //! sort-merge join with a filter; [`UnguardMergeJoinFilters`], right after,
 //! takes it away. A projection stays above the join, which reads its
 //! inputs whole.
+//!
+//! The same joins also failed on outer joins: `a LEFT JOIN b ON a.k = b.k
+//! AND a.id <> b.id` stopped with "Column 'id' is declared as non-nullable
+//! but contains null values" (reproduced with DataFusion alone). The
+//! join evaluates its filter over the left rows padded with NULL for `b`,
+//! in a batch of the filter's schema, which keeps the inputs' nullability.
+//! [`NullableMergeJoinFilters`], after DataFusion's rules, gives each
+//! sort-merge join's filter a schema whose columns are all nullable.
 
 use std::fmt;
 use std::sync::Arc;
 
+use datafusion::arrow::datatypes::Schema;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::{internal_err, Result, Statistics};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_plan::joins::utils::JoinFilter;
 use datafusion::physical_plan::joins::SortMergeJoinExec;
 use datafusion::physical_plan::statistics::{ChildStats, StatisticsArgs};
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
@@ -77,6 +87,56 @@ impl PhysicalOptimizerRule for UnguardMergeJoinFilters {
 
     fn name(&self) -> &str {
         "UnguardMergeJoinFilters"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+/// Makes each sort-merge join filter's columns nullable (see the module
+/// documentation).
+#[derive(Debug, Default)]
+pub struct NullableMergeJoinFilters;
+
+impl PhysicalOptimizerRule for NullableMergeJoinFilters {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        _config: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        plan.transform_up(|node| {
+            let Some(join) = node.downcast_ref::<SortMergeJoinExec>() else {
+                return Ok(Transformed::no(node));
+            };
+            let Some(filter) = join.filter() else {
+                return Ok(Transformed::no(node));
+            };
+            let schema = filter.schema();
+            if schema.fields().iter().all(|field| field.is_nullable()) {
+                return Ok(Transformed::no(node));
+            }
+            let nullable = Schema::new_with_metadata(
+                schema
+                    .fields()
+                    .iter()
+                    .map(|field| field.as_ref().clone().with_nullable(true))
+                    .collect::<Vec<_>>(),
+                schema.metadata().clone(),
+            );
+            let mut join = join.clone();
+            join.filter = Some(JoinFilter::new(
+                Arc::clone(filter.expression()),
+                filter.column_indices().to_vec(),
+                Arc::new(nullable),
+            ));
+            Ok(Transformed::yes(Arc::new(join) as _))
+        })
+        .map(|transformed| transformed.data)
+    }
+
+    fn name(&self) -> &str {
+        "NullableMergeJoinFilters"
     }
 
     fn schema_check(&self) -> bool {

@@ -153,6 +153,9 @@ impl SieveSession {
 ///   [`crate::UnguardMergeJoinFilters`] around each `ProjectionPushdown`,
 ///   which projected a sort-merge join's filter columns away below it
 ///   (`crate::merge_join_filter`).
+/// - with [`crate::NullableMergeJoinFilters`] last, without which an outer
+///   sort-merge join with a filter failed on the NULLs it pads with
+///   (`crate::merge_join_filter`).
 pub fn physical_rules_corrected() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> {
     let mut rules = Vec::new();
     for rule in PhysicalOptimizer::new().rules {
@@ -171,6 +174,7 @@ pub fn physical_rules_corrected() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + 
             _ => rules.push(rule),
         }
     }
+    rules.push(Arc::new(crate::NullableMergeJoinFilters) as _);
     rules
 }
 

@@ -378,3 +378,32 @@ async fn a_sort_merge_join_keeps_the_columns_its_filter_reads() {
     assert_eq!(report.comparisons, 2, "{}", report.summary());
     assert_no_mismatch(&report);
 }
+
+/// `sieve fuzz --seed 20261132 --schemas 1 --queries-per-schema 95
+/// --schema 0 --query 94 --set datafusion.optimizer.prefer_hash_join=false
+/// --set sieve.star_join_pushdown=false`: `a LEFT JOIN b ON a.pkey = b.fkey
+/// AND a.id <> b.id` as a sort-merge join failed with "Column 'id' is
+/// declared as non-nullable but contains null values" (DataFusion 55
+/// evaluates the filter over the NULL-padded rows in a batch of the
+/// filter's schema, which keeps `b.id` non-nullable).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outer_sort_merge_join_filters_rows_padded_with_nulls() {
+    use sieve_cli::fuzz::{run_fuzz, FuzzOptions, Mode};
+    let data = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fuzz-merge-join-nulls");
+    std::fs::create_dir_all(&data).expect("data directory");
+    let options = FuzzOptions {
+        data_directory: Some(data),
+        modes: vec![Mode::Default, Mode::NdpOff],
+        only_schema: Some(0),
+        only_query: Some(94),
+        progress: false,
+        settings: vec![
+            "datafusion.optimizer.prefer_hash_join=false".into(),
+            "sieve.star_join_pushdown=false".into(),
+        ],
+        ..FuzzOptions::new(20_261_132, 1, 95)
+    };
+    let report = run_fuzz(&options).await.expect("the fuzzer runs");
+    assert_eq!(report.comparisons, 2, "{}", report.summary());
+    assert_no_mismatch(&report);
+}

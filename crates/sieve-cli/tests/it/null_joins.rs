@@ -130,6 +130,11 @@ const QUERIES: &[&str] = &[
     "SELECT count(*) FROM a JOIN (SELECT * FROM b WHERE v < 10) x ON a.k = x.k AND a.v < x.v",
     "SELECT count(*), count(x.id) FROM a LEFT JOIN (SELECT * FROM b WHERE v < 10) x ON a.k = x.k AND a.v > x.v",
     "SELECT count(*) FROM a JOIN b ON a.k = b.k AND a.k2 = b.k2 WHERE b.v < 20",
+    // Outer joins whose filter reads never-NULL columns of the side padded
+    // with NULLs (a sort-merge join evaluated its filter over those NULLs).
+    "SELECT count(*), count(x.id), sum(x.v) FROM a LEFT JOIN (SELECT * FROM b WHERE v < 10) x ON a.k = x.k AND a.id <> x.id",
+    "SELECT count(*), count(a.id), sum(a.v) FROM (SELECT * FROM a WHERE v < 10) a RIGHT JOIN b ON a.k = b.k AND a.id > b.id",
+    "SELECT count(*), count(a.id), count(x.id) FROM a FULL JOIN (SELECT * FROM b WHERE v < 10) x ON a.k = x.k AND a.id < x.id",
     // A join whose probe key reaches a scan through the join below it (a key
     // filter through joins): NULL-equal, keys from both sides (TPC-H Q5's
     // shape), and an outer join in between, which the filter does not cross.
@@ -245,6 +250,15 @@ async fn joins_over_null_keys_equal_plain_datafusion() {
         "datafusion.optimizer.hash_join_single_partition_threshold=0".into(),
         "datafusion.optimizer.hash_join_single_partition_threshold_rows=0".into(),
     ];
+    // Sort-merge joins in place of hash joins.
+    let merging = cluster.session().await.unwrap();
+    merging
+        .apply_settings(&["datafusion.optimizer.prefer_hash_join=false".into()])
+        .unwrap();
+    let plan = explain_analyze(&merging, QUERIES[26]).await;
+    assert!(plan.contains("SortMergeJoin"), "{plan}");
+    check(&merging, &reference, "sort-merge joins").await;
+
     let spilling = cluster.session().await.unwrap();
     spilling.apply_settings(&spill_settings).unwrap();
     check(&spilling, &reference, "spilled to disk").await;
