@@ -87,6 +87,10 @@ extensions_options! {
         /// columns of that table of variable width, and join those columns
         /// back after the aggregation (TPC-H Q10's customer strings).
         pub late_group_columns: bool, default = true
+        /// Aggregate a join's many side before the join where each group
+        /// is one row of its other side (a unique key of that table among
+        /// the grouping columns; TPC-H Q13's orders counted per customer).
+        pub aggregate_before_join: bool, default = true
         /// Also filter a scan by the keys of an inner join further up whose
         /// probe key reaches the scan only through other inner joins (TPC-H
         /// Q5's supplier join and its lineitem scan).

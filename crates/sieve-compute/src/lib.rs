@@ -25,6 +25,7 @@
 //! the range endpoint served.
 #![deny(missing_docs)]
 
+mod aggregate_first;
 mod build_keys;
 mod catalog;
 mod checked_reader;
@@ -56,6 +57,7 @@ pub mod tables;
 mod traffic;
 mod wide_join;
 
+pub use aggregate_first::AggregateBeforeJoin;
 pub use build_keys::{BuildKeys, BuildKeysExec, CollectedKeys};
 pub use catalog::{
     ClusterCatalog, ClusterSlice, ClusterTable, DiscoveryFailure, DiscoverySettings, NodeState,

@@ -354,7 +354,7 @@ pub struct FuzzReport {
 
 /// Sieve's plan rewrites the fuzz report counts, each with the text its
 /// EXPLAIN shows for it.
-pub const PLAN_FEATURES: [(&str, &str); 8] = [
+pub const PLAN_FEATURES: [(&str, &str); 9] = [
     ("pushed filter", "pushed filter:"),
     ("sorted copy", "reads copy "),
     ("pushed aggregate", "pushed aggregate:"),
@@ -362,6 +362,7 @@ pub const PLAN_FEATURES: [(&str, &str); 8] = [
     ("star join", "pushed join: dimension(s)"),
     ("spillable join", "SpillableHashJoinExec"),
     ("late group columns", "__sieve_late"),
+    ("aggregate before join", "__sieve_first"),
     ("wide join", "MergePartitionsExec"),
 ];
 

@@ -11,6 +11,7 @@ mod plans;
 mod serving;
 mod slices;
 
+mod aggregate_first;
 mod aggregate_pushdown;
 mod as_stored;
 mod auth_and_limits;
