@@ -47,10 +47,9 @@ use std::sync::Arc;
 
 use datafusion::common::tree_node::Transformed;
 use datafusion::common::{Column, NullEquality, Result, ScalarValue, TableReference};
-use datafusion::datasource::source_as_provider;
 use datafusion::logical_expr::expr::{AggregateFunction, Alias};
 use datafusion::logical_expr::{
-    Aggregate, Expr, Join, JoinType, LogicalPlan, Projection, SubqueryAlias, TableScan,
+    Aggregate, Expr, Join, JoinType, LogicalPlan, Projection, SubqueryAlias,
 };
 use datafusion::optimizer::optimizer::ApplyOrder;
 use datafusion::optimizer::{OptimizerConfig, OptimizerRule};
@@ -183,6 +182,15 @@ fn rewrite(aggregate: &Aggregate, alias: impl Fn() -> String) -> Result<Option<L
             }
             _ => return Ok(None),
         };
+        // Over a left join's padded row an argument must be NULL, as the
+        // rule for unmatched rows assumes (`sum(1)` or
+        // `count(coalesce(c.v, 0))` would count it).
+        if join.join_type == JoinType::Left
+            && what != Unmatched::One
+            && !params.args.iter().all(null_over_null_columns)
+        {
+            return Ok(None);
+        }
         unmatched.push(what);
         functions.push(expr.clone());
     }
@@ -236,22 +244,6 @@ fn rewrite(aggregate: &Aggregate, alias: impl Fn() -> String) -> Result<Option<L
         unmatched
             .iter_mut()
             .for_each(|what| *what = Unmatched::Null);
-    } else {
-        // Over a left join's padded row an argument must be NULL, as the
-        // aggregates' rule for unmatched rows assumes (`sum(1)` or
-        // `count(coalesce(c.v, 0))` would count it).
-        for (expr, what) in aggregate.aggr_expr.iter().zip(&unmatched) {
-            let inner = match expr {
-                Expr::Alias(Alias { expr, .. }) => expr.as_ref(),
-                other => other,
-            };
-            let Expr::AggregateFunction(AggregateFunction { params, .. }) = inner else {
-                return Ok(None);
-            };
-            if *what != Unmatched::One && !params.args.iter().all(null_over_null_columns) {
-                return Ok(None);
-            }
-        }
     }
 
     let (kept_keys, many_keys): (Vec<Expr>, Vec<Expr>) = join
@@ -368,7 +360,7 @@ fn unique_row_column(plan: &LogicalPlan, index: usize) -> bool {
                 },
                 None => index,
             };
-            unique_columns(scan).contains(&column)
+            crate::late_columns::unique_columns(scan).contains(&column)
         }
         LogicalPlan::Filter(filter) => unique_row_column(&filter.input, index),
         LogicalPlan::Sort(sort) => unique_row_column(&sort.input, index),
@@ -389,14 +381,5 @@ fn unique_row_column(plan: &LogicalPlan, index: usize) -> bool {
             }
         }
         _ => false,
-    }
-}
-
-/// Unique, never-NULL columns of the table `scan` reads (by index in its
-/// schema), if it is one of Sieve's.
-fn unique_columns(scan: &TableScan) -> Vec<usize> {
-    match source_as_provider(&scan.source) {
-        Ok(provider) => crate::table::unique_columns_of(provider.as_ref()),
-        Err(_) => vec![],
     }
 }

@@ -187,7 +187,7 @@ fn descend(
 
 /// Unique, never-NULL columns of the table `scan` reads (by index in its
 /// schema), if it is one of Sieve's.
-fn unique_columns(scan: &TableScan) -> Vec<usize> {
+pub(crate) fn unique_columns(scan: &TableScan) -> Vec<usize> {
     match source_as_provider(&scan.source) {
         Ok(provider) => crate::table::unique_columns_of(provider.as_ref()),
         Err(_) => vec![],
