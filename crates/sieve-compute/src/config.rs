@@ -107,7 +107,11 @@ extensions_options! {
         /// registered once on each storage node of the probe scan, not sent
         /// with every slice request.
         pub join_filter_keys_max: usize, default = 16 * 1024 * 1024
-        /// False-positive rate the join Bloom filters are sized for.
+        /// False-positive rate the join Bloom filters are sized for, at
+        /// most: where the keys are a small share of the probe column's
+        /// values, a filter is sized for a lower rate (down to 1e-5), so
+        /// that the rows it lets through by mistake stay about a tenth of
+        /// those its keys match.
         pub join_filter_bloom_fpp: f64, default = 0.01
         /// A slice of a table a user owns whose deleted rows reach this
         /// share of its rows is rewritten (compacted) after the DELETE or
