@@ -6,12 +6,14 @@
 //! every join type, against plain DataFusion, with the bound low enough to
 //! need the bitmap and at its default.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use arrow::array::{ArrayRef, Date32Array, Int64Array};
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow::record_batch::RecordBatch;
 use datafusion::prelude::SessionContext;
+use sieve_cli::cluster::EmbeddedCluster;
 use sieve_cli::compare::{rows_as_text, run};
 use sieve_compute::SieveSession;
 
@@ -62,6 +64,22 @@ fn tables() -> Vec<(&'static str, RecordBatch)> {
     vec![("fact", fact), ("dim", dim)]
 }
 
+/// `fact` and `dim` as tables a user owns, on a new embedded cluster under
+/// a root named `name`, and in plain DataFusion.
+async fn fact_and_dim(name: &str) -> (PathBuf, EmbeddedCluster, SieveSession, SessionContext) {
+    let root = common::empty_root(name, NODES);
+    let (cluster, session) = common::cluster_with_catalog(&root, NODES).await;
+    let reference = SessionContext::new();
+    common::create_owned_tables(
+        &session,
+        &reference,
+        tables(),
+        "slice_rows = 8000, page_rows = 512",
+    )
+    .await;
+    (root, cluster, session, reference)
+}
+
 const QUERIES: &[&str] = &[
     "SELECT count(*), sum(fact.v) FROM fact JOIN dim ON fact.k = dim.k WHERE dim.flag < 3",
     "SELECT count(*), sum(fact.v) FROM fact JOIN dim ON fact.d = dim.d WHERE dim.flag < 3",
@@ -84,16 +102,7 @@ const QUERIES: &[&str] = &[
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_past_the_bound_in_a_narrow_range_filter_exactly_as_a_bitmap() {
-    let root = common::empty_root("key-bitmaps", NODES);
-    let (cluster, session) = common::cluster_with_catalog(&root, NODES).await;
-    let reference = SessionContext::new();
-    common::create_owned_tables(
-        &session,
-        &reference,
-        tables(),
-        "slice_rows = 8000, page_rows = 512",
-    )
-    .await;
+    let (root, cluster, session, reference) = fact_and_dim("key-bitmaps").await;
 
     // At the default bound the 5,600 keys are values; at 1,000 they pass
     // it and are kept as a bitmap. Both are exact: the probe scan yields
@@ -148,16 +157,7 @@ async fn keys_past_the_bound_in_a_narrow_range_filter_exactly_as_a_bitmap() {
 /// key itself would reach the probe scan as a predicate of its own.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bloom_filter_of_few_keys_among_many_values_lets_few_rows_through() {
-    let root = common::empty_root("bloom-sizing", NODES);
-    let (cluster, session) = common::cluster_with_catalog(&root, NODES).await;
-    let reference = SessionContext::new();
-    common::create_owned_tables(
-        &session,
-        &reference,
-        tables(),
-        "slice_rows = 8000, page_rows = 512",
-    )
-    .await;
+    let (root, cluster, session, reference) = fact_and_dim("bloom-sizing").await;
     // A Bloom filter, not a star join, a list or a bitmap.
     for setting in [
         "sieve.star_join_pushdown = false",
