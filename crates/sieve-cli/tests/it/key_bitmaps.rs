@@ -80,6 +80,18 @@ async fn fact_and_dim(name: &str) -> (PathBuf, EmbeddedCluster, SieveSession, Se
     (root, cluster, session, reference)
 }
 
+/// The line of `EXPLAIN ANALYZE sql` that shows the scan of `fact`.
+async fn fact_scan(session: &SieveSession, sql: &str) -> String {
+    let batches = run(&session.context, &format!("EXPLAIN ANALYZE {sql}"))
+        .await
+        .unwrap();
+    let plan = rows_as_text(&batches, false).unwrap().join("\n");
+    plan.lines()
+        .find(|line| line.contains("SieveScanExec: table=fact@"))
+        .unwrap_or_else(|| panic!("no scan of fact:\n{plan}"))
+        .to_string()
+}
+
 const QUERIES: &[&str] = &[
     "SELECT count(*), sum(fact.v) FROM fact JOIN dim ON fact.k = dim.k WHERE dim.flag < 3",
     "SELECT count(*), sum(fact.v) FROM fact JOIN dim ON fact.d = dim.d WHERE dim.flag < 3",
@@ -118,14 +130,7 @@ async fn keys_past_the_bound_in_a_narrow_range_filter_exactly_as_a_bitmap() {
         if partitioned {
             partitioned_joins(&session).await;
         }
-        let batches = run(&session.context, &format!("EXPLAIN ANALYZE {}", QUERIES[0]))
-            .await
-            .unwrap();
-        let plan = rows_as_text(&batches, false).unwrap().join("\n");
-        let fact = plan
-            .lines()
-            .find(|line| line.contains("SieveScanExec: table=fact@"))
-            .unwrap_or_else(|| panic!("no scan of fact:\n{plan}"));
+        let fact = fact_scan(&session, QUERIES[0]).await;
         assert!(fact.contains("join filter from"), "{fact}");
         assert_eq!(
             fact.contains("collected as a bitmap"),
@@ -180,14 +185,7 @@ async fn a_bloom_filter_of_few_keys_among_many_values_lets_few_rows_through() {
     assert!(matched > 100, "{matched} rows match");
     let sql = format!("SELECT count(*), sum(fact.v) {join}");
     let yielded = check(&session, &reference, &sql, "fact").await;
-    let batches = run(&session.context, &format!("EXPLAIN ANALYZE {sql}"))
-        .await
-        .unwrap();
-    let plan = rows_as_text(&batches, false).unwrap().join("\n");
-    let fact = plan
-        .lines()
-        .find(|line| line.contains("SieveScanExec: table=fact@"))
-        .unwrap_or_else(|| panic!("no scan of fact:\n{plan}"));
+    let fact = fact_scan(&session, &sql).await;
     assert!(
         fact.contains("bloom (") && !fact.contains("fpp 1.0e-2"),
         "{fact}"
