@@ -613,6 +613,11 @@ fn membership(
 /// key; sized for its keys, the filter takes 32 KB instead of 8 KB and
 /// passes about 1,500.
 fn bloom_fpp(keys: u64, distinct_bound: Option<u64>, most: f64) -> f64 {
+    if !(most > 0.0 && most < 1.0) {
+        // Not a rate (a setting of 0, 1 or NaN): `BloomFilterExpr::try_new`
+        // refuses it by name; `clamp` below would panic on NaN.
+        return most;
+    }
     let Some(others) = distinct_bound
         .filter(|&bound| bound > keys)
         .map(|bound| bound - keys)
@@ -838,6 +843,10 @@ mod tests {
         assert_eq!(bloom_fpp(30_000_000, Some(150_000_000), 0.01), 0.01);
         assert_eq!(bloom_fpp(500, Some(500), 0.01), 0.01);
         assert_eq!(bloom_fpp(500, None, 0.01), 0.01);
+        // Settings that are no rate pass through, to be refused by name.
+        assert!(bloom_fpp(10, Some(1 << 20), f64::NAN).is_nan());
+        assert_eq!(bloom_fpp(10, Some(1 << 20), 0.0), 0.0);
+        assert_eq!(bloom_fpp(10, Some(1 << 20), 1.5), 1.5);
         // A setting below the floor stays the setting.
         assert_eq!(bloom_fpp(10, Some(1 << 40), 1e-7), 1e-7);
         // 12 M keys among 2^40 values: as low a rate as fits the bound
