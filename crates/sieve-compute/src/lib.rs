@@ -35,6 +35,7 @@ pub mod copies;
 mod deep;
 mod early_start;
 mod estimate;
+mod evaluate_early;
 mod failover;
 mod guarded;
 mod join_filter;
@@ -73,6 +74,7 @@ pub use deep::{
     COMPUTE_THREAD_STACK_BYTES, DEFAULT_EXPRESSION_DEPTH_MAX,
 };
 pub use early_start::{EarlyStartExec, StartScansEarly};
+pub use evaluate_early::EvaluateBeforeJoins;
 pub use failover::FailoverSettings;
 pub use join_filter::{JoinFilterSettings, JoinFilterSlot, KeyFilterSlot};
 pub use join_order::OrderInnerJoins;

@@ -284,6 +284,7 @@ pub fn session_over(
         .with_optimizer_rule(Arc::new(crate::OrderInnerJoins))
         .with_optimizer_rule(Arc::new(crate::JoinGroupColumnsLate))
         .with_optimizer_rule(Arc::new(crate::AggregateBeforeJoin))
+        .with_optimizer_rule(Arc::new(crate::EvaluateBeforeJoins))
         .with_optimizer_rule(Arc::new(crate::FloatInListsMatchBothZeros))
         .with_physical_optimizer_rules(physical_rules_with_join_sides())
         .with_physical_optimizer_rule(Arc::new(PushAggregateToStorage))

@@ -25,6 +25,7 @@ mod deep_expressions;
 mod early_start;
 mod edge_values;
 mod end_to_end;
+mod evaluate_early;
 mod failover;
 mod full_disk;
 mod fuzz;
