@@ -43,7 +43,9 @@ use arrow::datatypes::DataType;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::{Column, DFSchema, JoinType, Result};
 use datafusion::logical_expr::expr::{Alias, Cast};
-use datafusion::logical_expr::{Expr, ExprSchemable, Join, LogicalPlan, Operator, Projection};
+use datafusion::logical_expr::{
+    Aggregate, Expr, ExprSchemable, Join, LogicalPlan, Operator, Projection,
+};
 use datafusion::optimizer::optimizer::ApplyOrder;
 use datafusion::optimizer::{OptimizerConfig, OptimizerRule};
 
@@ -78,15 +80,18 @@ impl OptimizerRule for EvaluateBeforeJoins {
         plan: LogicalPlan,
         config: &dyn OptimizerConfig,
     ) -> Result<Transformed<LogicalPlan>> {
-        let LogicalPlan::Projection(projection) = &plan else {
-            return Ok(Transformed::no(plan));
-        };
         if !SieveConfig::of(&config.options()).evaluate_before_joins {
             return Ok(Transformed::no(plan));
         }
+        let alias = || config.alias_generator().next(PREFIX);
+        let rewritten = match &plan {
+            LogicalPlan::Projection(projection) => rewrite(projection, alias),
+            LogicalPlan::Aggregate(aggregate) => rewrite_aggregate(aggregate, alias),
+            _ => return Ok(Transformed::no(plan)),
+        };
         // A plan this rule cannot rebuild is planned as it was: the rule
         // is an optimization, never a reason for a query to fail.
-        match rewrite(projection, || config.alias_generator().next(PREFIX)) {
+        match rewritten {
             Ok(Some(rewritten)) => Ok(Transformed::yes(rewritten)),
             Ok(None) => Ok(Transformed::no(plan)),
             Err(error) => {
@@ -294,6 +299,74 @@ fn rewrite(projection: &Projection, alias: impl Fn() -> String) -> Result<Option
     Ok(Some(LogicalPlan::Projection(Projection::try_new(
         exprs,
         Arc::new(LogicalPlan::Join(join)),
+    )?)))
+}
+
+/// An aggregation over a join (or over a projection of its columns) whose
+/// arguments are expressions: they are given to [`rewrite`] as a
+/// projection over the join, and read as columns of it if it moves any.
+fn rewrite_aggregate(
+    aggregate: &Aggregate,
+    alias: impl Fn() -> String,
+) -> Result<Option<LogicalPlan>> {
+    let join = below_plain_columns(&aggregate.input);
+    if !matches!(join.as_ref(), LogicalPlan::Join(_)) {
+        return Ok(None);
+    }
+    // Each argument that is an expression, once, by the name it gets.
+    let mut moved: Vec<(Expr, String)> = Vec::new();
+    let mut aggr_expr = Vec::with_capacity(aggregate.aggr_expr.len());
+    for (index, expr) in aggregate.aggr_expr.iter().enumerate() {
+        let Expr::AggregateFunction(function) = unalias(expr) else {
+            return Ok(None);
+        };
+        let mut function = function.clone();
+        for arg in function.params.args.iter_mut() {
+            if matches!(arg, Expr::Column(_) | Expr::Literal(..)) || arg.column_refs().is_empty() {
+                continue;
+            }
+            let name = match moved.iter().find(|(expr, _)| expr == arg) {
+                Some((_, name)) => name.clone(),
+                None => {
+                    let name = alias();
+                    moved.push((arg.clone(), name.clone()));
+                    name
+                }
+            };
+            *arg = Expr::Column(Column::new_unqualified(name));
+        }
+        let (qualifier, field) = aggregate
+            .schema
+            .qualified_field(aggregate.group_expr.len() + index);
+        aggr_expr.push(
+            Expr::AggregateFunction(function).alias_qualified(qualifier.cloned(), field.name()),
+        );
+    }
+    if moved.is_empty() {
+        return Ok(None);
+    }
+    // The projection: the columns the aggregation still reads, then the
+    // arguments.
+    let mut reads: HashSet<Column> = HashSet::new();
+    for expr in aggregate.group_expr.iter().chain(&aggr_expr) {
+        reads.extend(expr.column_refs().into_iter().cloned());
+    }
+    let mut exprs: Vec<Expr> = join
+        .schema()
+        .columns()
+        .into_iter()
+        .filter(|column| reads.contains(column))
+        .map(Expr::Column)
+        .collect();
+    exprs.extend(moved.into_iter().map(|(expr, name)| expr.alias(name)));
+    let projection = Projection::try_new(exprs, join)?;
+    let Some(input) = rewrite(&projection, alias)? else {
+        return Ok(None);
+    };
+    Ok(Some(LogicalPlan::Aggregate(Aggregate::try_new(
+        Arc::new(input),
+        aggregate.group_expr.clone(),
+        aggr_expr,
     )?)))
 }
 

@@ -1,5 +1,6 @@
 //! Expressions of one join input's columns evaluated below the join
-//! (`sieve.evaluate_before_joins`, TPC-H Q9's profit): decimals, integers,
+//! (`sieve.evaluate_before_joins`, TPC-H Q9's profit, Q5's and Q10's
+//! revenue in an aggregation): decimals, integers,
 //! floats with NaN, booleans, NULLs and unmatched keys, inner, left,
 //! right, semi and full joins, against plain DataFusion; the shapes the
 //! rule leaves alone (a padded input, division, a string result, columns
@@ -128,6 +129,17 @@ const TAKEN: &[&str] = &[
      count(*) FILTER (WHERE q.x) AS b FROM (SELECT r.region, dim.g, f.price, f.disc, \
      (f.qty > dim.g AND f.flag) AS x FROM fact f JOIN dim ON f.k = dim.k \
      LEFT JOIN regions r ON f.d = r.d) q GROUP BY q.region",
+    // Aggregate arguments (Q5's and Q10's revenue), a FILTER of the other
+    // input's column, DISTINCT.
+    "SELECT r.region, sum(f.price * (1 - f.disc)) AS rev, count(*) AS n, \
+     min(f.qty) FILTER (WHERE dim.g > 3) AS g \
+     FROM fact f JOIN dim ON f.k = dim.k JOIN regions r ON f.d = r.d GROUP BY r.region",
+    "SELECT dim.name, avg(f.f * 2.0 + f.qty) AS a, count(DISTINCT f.price * f.qty) AS m FROM fact f \
+     JOIN dim ON f.k = dim.k LEFT JOIN regions r ON f.d = r.d WHERE f.id % 2 = 0 \
+     GROUP BY dim.name",
+    // The kept side of a semi join.
+    "SELECT f.id, f.price * f.qty - dim.cost AS v FROM fact f JOIN dim ON f.k = dim.k \
+     WHERE f.d IN (SELECT d FROM regions WHERE w > 10)",
     // The preserved side of a right join.
     "SELECT r.region, q.price * q.qty - q.cost AS v FROM regions r RIGHT JOIN (SELECT f.d, \
      f.price, f.qty, dim.cost FROM fact f JOIN dim ON f.k = dim.k) q ON q.d = r.d",
@@ -145,6 +157,8 @@ const NOT_TAKEN: &[&str] = &[
     // Division may fail on rows the join drops.
     "SELECT r.region, f.price / f.qty + dim.cost AS v FROM fact f JOIN dim ON f.k = dim.k \
      LEFT JOIN regions r ON f.d = r.d WHERE f.qty <> 0",
+    "SELECT dim.name, sum(f.price / f.qty) AS s FROM fact f JOIN dim ON f.k = dim.k \
+     LEFT JOIN regions r ON f.d = r.d WHERE f.qty <> 0 GROUP BY dim.name",
     // A string result.
     "SELECT r.region, f.tag || dim.name AS v FROM fact f JOIN dim ON f.k = dim.k \
      LEFT JOIN regions r ON f.d = r.d",
