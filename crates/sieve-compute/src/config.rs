@@ -91,9 +91,9 @@ extensions_options! {
         /// is one row of its other side (a unique key of that table among
         /// the grouping columns; TPC-H Q13's orders counted per customer).
         pub aggregate_before_join: bool, default = true
-        /// Evaluate an expression of one join input's columns below the
-        /// join, where its value is narrower than the columns it reads
-        /// (TPC-H Q9's profit before its join with orders).
+        /// Evaluate an expression of a hash join's build-side columns below
+        /// the join, where its value is narrower than the columns it frees
+        /// (TPC-H Q9's profit before its join with orders is built).
         pub evaluate_before_joins: bool, default = true
         /// Also filter a scan by the keys of an inner join further up whose
         /// probe key reaches the scan only through other inner joins (TPC-H

@@ -74,7 +74,7 @@ pub use deep::{
     COMPUTE_THREAD_STACK_BYTES, DEFAULT_EXPRESSION_DEPTH_MAX,
 };
 pub use early_start::{EarlyStartExec, StartScansEarly};
-pub use evaluate_early::EvaluateBeforeJoins;
+pub use evaluate_early::EvaluateOnBuildSides;
 pub use failover::FailoverSettings;
 pub use join_filter::{JoinFilterSettings, JoinFilterSlot, KeyFilterSlot};
 pub use join_order::OrderInnerJoins;

@@ -191,6 +191,7 @@ fn physical_rules_with_join_sides() -> Vec<Arc<dyn PhysicalOptimizerRule + Send 
         rules.push(rule);
         if name == "join_selection" {
             rules.push(Arc::new(crate::BuildOnFilteredSide) as _);
+            rules.push(Arc::new(crate::EvaluateOnBuildSides) as _);
         }
         if name == "UnwrapFloatEqualities" {
             rules.push(Arc::new(crate::WidenLargeJoins) as _);
@@ -284,7 +285,6 @@ pub fn session_over(
         .with_optimizer_rule(Arc::new(crate::OrderInnerJoins))
         .with_optimizer_rule(Arc::new(crate::JoinGroupColumnsLate))
         .with_optimizer_rule(Arc::new(crate::AggregateBeforeJoin))
-        .with_optimizer_rule(Arc::new(crate::EvaluateBeforeJoins))
         .with_optimizer_rule(Arc::new(crate::FloatInListsMatchBothZeros))
         .with_physical_optimizer_rules(physical_rules_with_join_sides())
         .with_physical_optimizer_rule(Arc::new(PushAggregateToStorage))
