@@ -282,24 +282,38 @@ fn push(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn ExecutionPlan>>>
         .iter()
         .map(|(left, right)| Ok((renumber_build(left)?, Arc::clone(right))))
         .collect::<Result<Vec<_>>>()?;
-    let filter = join.filter().map(|filter| {
-        let column_indices = filter
-            .column_indices()
-            .iter()
-            .map(|column| ColumnIndex {
-                index: match column.side {
-                    JoinSide::Left => new_index[&column.index],
-                    _ => column.index,
-                },
-                side: column.side,
-            })
-            .collect();
-        JoinFilter::new(
-            Arc::clone(filter.expression()),
-            column_indices,
-            Arc::clone(filter.schema()),
-        )
-    });
+    let filter = match join.filter() {
+        None => None,
+        Some(filter) => {
+            let column_indices = filter
+                .column_indices()
+                .iter()
+                .map(|column| {
+                    let index = match column.side {
+                        JoinSide::Left => match new_index.get(&column.index) {
+                            Some(index) => *index,
+                            None => {
+                                return datafusion::common::internal_err!(
+                                    "the join filter's build column {} was not kept",
+                                    column.index
+                                )
+                            }
+                        },
+                        _ => column.index,
+                    };
+                    Ok(ColumnIndex {
+                        index,
+                        side: column.side,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Some(JoinFilter::new(
+                Arc::clone(filter.expression()),
+                column_indices,
+                Arc::clone(filter.schema()),
+            ))
+        }
+    };
     let new_join: Arc<dyn ExecutionPlan> = Arc::new(HashJoinExec::try_new(
         new_build,
         Arc::clone(join.right()),

@@ -123,6 +123,9 @@ const TAKEN: &[&str] = &[
     // A boolean, and an expression of the build side next to probe columns.
     "SELECT f.id, f.price, (dim.cost > r.w AND r.w IS NOT NULL) AS b FROM dim \
      JOIN regions r ON dim.g = r.d JOIN fact f ON f.k = dim.k WHERE f.id % 3 = 0",
+    // A join filter over both sides: its build column stays, renumbered.
+    "SELECT f.id, dim.cost * (1 + r.w) AS v FROM dim JOIN regions r ON dim.g = r.d \
+     JOIN fact f ON f.k = dim.k AND f.qty < dim.g",
     // The kept side of a semi join.
     "SELECT dim.k, dim.cost * r.w AS v FROM dim JOIN regions r ON dim.g = r.d \
      WHERE dim.k IN (SELECT k FROM fact)",
