@@ -95,6 +95,11 @@ extensions_options! {
         /// the join, where its value is narrower than the columns it frees
         /// (TPC-H Q9's profit before its join with orders is built).
         pub evaluate_before_joins: bool, default = true
+        /// Count grouped `count(DISTINCT x)` of integers over a join with one
+        /// set of (group, value) pairs instead of regrouping by every grouping
+        /// column and `x` (TPC-H Q16's distinct suppliers per brand, type and
+        /// size).
+        pub count_distinct_by_sets: bool, default = true
         /// Also filter a scan by the keys of an inner join further up whose
         /// probe key reaches the scan only through other inner joins (TPC-H
         /// Q5's supplier join and its lineitem scan).

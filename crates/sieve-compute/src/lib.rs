@@ -33,6 +33,7 @@ mod client;
 mod config;
 pub mod copies;
 mod deep;
+mod distinct_counts;
 mod early_start;
 mod estimate;
 mod evaluate_early;
@@ -73,6 +74,7 @@ pub use deep::{
     analyzer_rules_with_depth_limit, compute_runtime, expression_depth, ExpressionDepthLimit,
     COMPUTE_THREAD_STACK_BYTES, DEFAULT_EXPRESSION_DEPTH_MAX,
 };
+pub use distinct_counts::CountDistinctBySets;
 pub use early_start::{EarlyStartExec, StartScansEarly};
 pub use evaluate_early::EvaluateOnBuildSides;
 pub use failover::FailoverSettings;

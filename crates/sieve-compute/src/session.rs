@@ -7,6 +7,7 @@ use datafusion::common::{DataFusionError, Result};
 use datafusion::execution::object_store::ObjectStoreUrl;
 use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::execution::SessionStateBuilder;
+use datafusion::optimizer::{Optimizer, OptimizerRule};
 use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::prelude::{SessionConfig, SessionContext};
@@ -235,6 +236,22 @@ pub async fn connect_session_with_tables(
     session_over(catalog, secret, config, runtime)
 }
 
+/// DataFusion's logical optimizer rules, with `SingleDistinctToGroupBy`
+/// replaced by [`crate::CountDistinctBySets`] (which delegates to it).
+fn optimizer_rules_with_distinct_sets() -> Vec<Arc<dyn OptimizerRule + Send + Sync>> {
+    Optimizer::new()
+        .rules
+        .into_iter()
+        .map(|rule| {
+            if rule.name() == crate::CountDistinctBySets::REPLACES {
+                Arc::new(crate::CountDistinctBySets::default()) as _
+            } else {
+                rule
+            }
+        })
+        .collect()
+}
+
 /// A new session over a cluster already discovered, drawing memory from
 /// `runtime`'s pool: what a server gives each of its connections, all
 /// sharing one catalog and one memory pool.
@@ -279,6 +296,7 @@ pub fn session_over(
         .with_config(config)
         .with_runtime_env(runtime)
         .with_default_features()
+        .with_optimizer_rules(optimizer_rules_with_distinct_sets())
         .with_analyzer_rules(crate::analyzer_rules_with_depth_limit())
         // Last: every owned table of a statement at one version.
         .with_analyzer_rule(Arc::new(crate::tables::ReadOneVersion))
