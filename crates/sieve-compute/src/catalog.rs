@@ -60,6 +60,21 @@ pub struct ClusterTable {
 }
 
 impl ClusterTable {
+    /// Each column's distinct values estimated from each slice's exact
+    /// count: the number of values `n` a slice of `r` rows would draw `d`
+    /// distinct ones from, were its rows drawn uniformly from them (`d = n
+    /// (1 - (1 - 1/n)^r)`, solved for `n`), the largest over the slices,
+    /// at least the largest `d` and at most the table's rows. A column of
+    /// few values (an order status: 3 in every slice) is estimated at
+    /// those few, a key drawn from a wide domain (a part key in lineitem)
+    /// at about its domain. `None` where a slice's count is missing.
+    pub fn distinct_estimates(&self) -> Vec<Option<usize>> {
+        let table_rows: u64 = self.slices.iter().map(|slice| slice.summary.rows).sum();
+        (0..self.schema.fields().len())
+            .map(|index| distinct_estimate(&self.slices, index, table_rows))
+            .collect()
+    }
+
     /// Columns whose values are unique over the table and never NULL,
     /// proven from the slices' summaries: in every slice the column has no
     /// NULL and as many distinct values as rows (counted by 64-bit hashes
@@ -517,6 +532,45 @@ fn describe_failures(failures: &[DiscoveryFailure]) -> String {
         .join(", ")
 }
 
+/// See [`ClusterTable::distinct_estimates`].
+fn distinct_estimate(slices: &[ClusterSlice], index: usize, table_rows: u64) -> Option<usize> {
+    let mut estimate = 0u64;
+    for slice in slices {
+        let rows = slice.summary.rows;
+        let distinct = slice.summary.columns.get(index)?.distinct_count?;
+        if distinct == 0 || rows == 0 {
+            continue;
+        }
+        let slice_estimate = if distinct >= rows {
+            table_rows
+        } else {
+            domain_for(distinct, rows)
+        };
+        estimate = estimate.max(slice_estimate).max(distinct);
+    }
+    (!slices.is_empty()).then_some(estimate.min(table_rows).max(1) as usize)
+}
+
+/// The `n` for which `n (1 - (1 - 1/n)^rows)` is `distinct` (by bisection;
+/// that expression grows with `n`, from 1 towards `rows`).
+fn domain_for(distinct: u64, rows: u64) -> u64 {
+    let expected = |n: f64| n * -f64::exp_m1(rows as f64 * f64::ln_1p(-1.0 / n));
+    let target = distinct as f64;
+    let (mut low, mut high) = (target, target.max(2.0));
+    while expected(high) < target && high < 1e18 {
+        high *= 2.0;
+    }
+    for _ in 0..100 {
+        let middle = (low + high) / 2.0;
+        if expected(middle) < target {
+            low = middle;
+        } else {
+            high = middle;
+        }
+    }
+    high.round() as u64
+}
+
 /// Merge slice summaries into table statistics.
 pub(crate) fn table_statistics(schema: &SchemaRef, slices: &[ClusterSlice]) -> Statistics {
     // Deleted rows are not rows: COUNT(*) may be answered from this.
@@ -667,6 +721,38 @@ mod unique_tests {
             pin: None,
         }
         .unique_columns()
+    }
+
+    fn distinct(slices: Vec<ClusterSlice>) -> Option<usize> {
+        ClusterTable {
+            name: "t".to_string(),
+            schema: Arc::new(Schema::new(vec![
+                Field::new("k", DataType::Int64, true),
+                Field::new("s", DataType::Utf8, true),
+            ])),
+            slices,
+            statistics: Statistics::new_unknown(&Schema::empty()),
+            pin: None,
+        }
+        .distinct_estimates()[0]
+    }
+
+    #[test]
+    fn distinct_values_are_estimated_from_each_slices_count() {
+        // Few values, the same few in every slice.
+        let few = |n| slice(n, 1_000, (0, 2), 0, Some(3));
+        assert_eq!(distinct([few(0), few(1), few(2)].into()), Some(3));
+        // All distinct in every slice: as many as the table's rows.
+        let keys = |n| slice(n, 1_000, (0, 10), 0, Some(1_000));
+        assert_eq!(distinct([keys(0), keys(1)].into()), Some(2_000));
+        // 632 of 1,000 rows distinct: drawn from about 1,000 values.
+        let drawn = distinct(vec![slice(0, 1_000, (0, 10), 0, Some(632)), few(1)]).unwrap();
+        assert!((990..=1_010).contains(&drawn), "{drawn}");
+        // A slice without a count: unknown. No slices: unknown.
+        assert_eq!(distinct(vec![few(0), slice(1, 10, (0, 1), 0, None)]), None);
+        assert_eq!(distinct(vec![]), None);
+        // One value.
+        assert_eq!(distinct(vec![slice(0, 50, (1, 1), 0, Some(1))]), Some(1));
     }
 
     #[test]
