@@ -709,7 +709,8 @@ mod unique_tests {
         }
     }
 
-    fn unique(slices: Vec<ClusterSlice>) -> Vec<usize> {
+    /// A table of columns `k` (integers) and `s` (strings) over `slices`.
+    fn table(slices: Vec<ClusterSlice>) -> ClusterTable {
         ClusterTable {
             name: "t".to_string(),
             schema: Arc::new(Schema::new(vec![
@@ -720,21 +721,14 @@ mod unique_tests {
             statistics: Statistics::new_unknown(&Schema::empty()),
             pin: None,
         }
-        .unique_columns()
+    }
+
+    fn unique(slices: Vec<ClusterSlice>) -> Vec<usize> {
+        table(slices).unique_columns()
     }
 
     fn distinct(slices: Vec<ClusterSlice>) -> Option<usize> {
-        ClusterTable {
-            name: "t".to_string(),
-            schema: Arc::new(Schema::new(vec![
-                Field::new("k", DataType::Int64, true),
-                Field::new("s", DataType::Utf8, true),
-            ])),
-            slices,
-            statistics: Statistics::new_unknown(&Schema::empty()),
-            pin: None,
-        }
-        .distinct_estimates()[0]
+        table(slices).distinct_estimates()[0]
     }
 
     #[test]
