@@ -32,7 +32,7 @@ pub(crate) fn filtered_statistics(
 /// Rows of `table` that satisfy `predicate` (over the table schema), with
 /// each conjunct `column = constant` (either way round) estimated to keep
 /// 1 / the column's distinct values and `column IN (constants)` as many
-/// of them as it lists ([`crate::ClusterTable::distinct_estimates`]), and
+/// of them as it lists ([`crate::ClusterTable::distinct_estimate`]), and
 /// the other conjuncts as DataFusion's `FilterExec` estimates them.
 /// DataFusion 55 keeps a fifth of the rows for an equality over a string
 /// column, whatever it holds: TPC-H Q21's `n_name = 'SAUDI ARABIA'` (one
@@ -45,10 +45,9 @@ pub(crate) fn rows_with_distinct_values(
     use datafusion::physical_expr::expressions::{BinaryExpr, Column, InListExpr, Literal};
     use datafusion::physical_expr::{conjunction, split_conjunction};
 
-    let distinct = table.distinct_estimates();
     let column_distinct = |expr: &Arc<dyn PhysicalExpr>| {
         let column = expr.downcast_ref::<Column>()?;
-        distinct.get(column.index()).copied().flatten()
+        table.distinct_estimate(column.index())
     };
     let constant = |expr: &Arc<dyn PhysicalExpr>| {
         expr.downcast_ref::<Literal>()
@@ -58,14 +57,13 @@ pub(crate) fn rows_with_distinct_values(
     let mut rest = Vec::new();
     for conjunct in split_conjunction(predicate) {
         let values = if let Some(binary) = conjunct.downcast_ref::<BinaryExpr>() {
-            match (binary.op(), binary.left(), binary.right()) {
-                (Operator::Eq, column, value) | (Operator::Eq, value, column)
-                    if constant(value) && column_distinct(column).is_some() =>
-                {
-                    column_distinct(column).map(|distinct| (1, distinct))
-                }
+            let (left, right) = (binary.left(), binary.right());
+            match binary.op() {
+                Operator::Eq if constant(right) => column_distinct(left),
+                Operator::Eq if constant(left) => column_distinct(right),
                 _ => None,
             }
+            .map(|distinct| (1, distinct))
         } else if let Some(list) = conjunct.downcast_ref::<InListExpr>() {
             (!list.negated() && list.list().iter().all(constant))
                 .then(|| column_distinct(list.expr()))

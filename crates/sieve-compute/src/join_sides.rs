@@ -154,7 +154,7 @@ fn plain_scan_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<usize> {
         if scan.aggregate().is_some() || scan.star_join().is_some() || scan.has_join_filters() {
             return None;
         }
-        return scan_rows(scan).map(|rows| rows as usize);
+        return scan.estimated_rows_by_distinct().map(|rows| rows as usize);
     }
     if plan.downcast_ref::<ProjectionExec>().is_some() {
         let [input] = &plan.children()[..] else {
@@ -163,16 +163,6 @@ fn plain_scan_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<usize> {
         return plain_scan_rows(input);
     }
     None
-}
-
-/// A scan's rows: the table's, or those its filter is estimated to keep
-/// with equalities counted by the columns' distinct values
-/// ([`crate::estimate::rows_with_distinct_values`]).
-fn scan_rows(scan: &SieveScanExec) -> Option<f64> {
-    match scan.predicate() {
-        Some(predicate) => crate::estimate::rows_with_distinct_values(scan.table(), predicate),
-        None => scan.estimated_rows().map(|rows| rows as f64),
-    }
 }
 
 /// Rows a plan is estimated to yield, with the join filters its inner joins
@@ -195,7 +185,7 @@ pub(crate) fn estimated_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<Estimate> 
             return None;
         }
         let table = scan.table().statistics.num_rows.get_value().copied()? as f64;
-        let rows = scan_rows(scan)?;
+        let rows = scan.estimated_rows_by_distinct()?;
         return Some(Estimate {
             rows,
             cut: rows < table,

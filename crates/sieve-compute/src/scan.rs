@@ -74,6 +74,10 @@ pub struct SieveScanExec {
     /// Table statistics with the pushed predicate's selectivity applied,
     /// computed once (the optimizer asks for statistics many times).
     filtered_statistics: Arc<Statistics>,
+    /// Rows the predicate keeps with equalities estimated by distinct
+    /// values ([`crate::estimate::rows_with_distinct_values`]), computed
+    /// when first asked and shared by this scan's copies.
+    rows_by_distinct: Arc<std::sync::OnceLock<Option<f64>>>,
     /// A partial aggregation run on the storage nodes, over the shipped
     /// columns (leaf `SliceInputExec`); the scan then outputs partial states.
     aggregate: Option<PushedAggregate>,
@@ -260,6 +264,7 @@ impl SieveScanExec {
             output_no_columns,
             predicate,
             filtered_statistics: Arc::new(filtered),
+            rows_by_distinct: Arc::default(),
             aggregate: None,
             aggregate_complete: false,
             aggregate_note: None,
@@ -312,6 +317,7 @@ impl SieveScanExec {
             output_no_columns: self.output_no_columns,
             predicate: self.predicate.clone(),
             filtered_statistics: Arc::clone(&self.filtered_statistics),
+            rows_by_distinct: Arc::clone(&self.rows_by_distinct),
             aggregate: self.aggregate.clone(),
             aggregate_complete: self.aggregate_complete,
             aggregate_note: self.aggregate_note.clone(),
@@ -596,6 +602,19 @@ impl SieveScanExec {
     /// aggregation), if the statistics say.
     pub fn estimated_rows(&self) -> Option<usize> {
         self.filtered_statistics.num_rows.get_value().copied()
+    }
+
+    /// Rows estimated to match the pushed predicate, each equality to a
+    /// constant keeping 1 / its column's distinct values
+    /// ([`crate::estimate::rows_with_distinct_values`]); the table's rows
+    /// without a predicate.
+    pub(crate) fn estimated_rows_by_distinct(&self) -> Option<f64> {
+        match &self.predicate {
+            None => self.estimated_rows().map(|rows| rows as f64),
+            Some(predicate) => *self
+                .rows_by_distinct
+                .get_or_init(|| crate::estimate::rows_with_distinct_values(&self.table, predicate)),
+        }
     }
 
     /// Start every partition now, each buffering up to `buffer_bytes` of

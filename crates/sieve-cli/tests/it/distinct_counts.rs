@@ -1,7 +1,7 @@
 //! Grouped `count(DISTINCT x)` over joins counted by sets of (group,
 //! value) pairs (`sieve.count_distinct_by_sets`, TPC-H Q16's distinct
 //! suppliers): integers of several widths, NULLs, unmatched keys, a
-//! skewed group, left and inner joins, other aggregates beside it,
+//! skewed group, an empty table, left and inner joins, other aggregates beside it,
 //! against plain DataFusion; the shapes DataFusion's regrouping keeps (no
 //! GROUP BY, a string argument, one table's scan) are left to it.
 
@@ -69,7 +69,12 @@ fn tables() -> Vec<(&'static str, RecordBatch)> {
         ],
     )
     .unwrap();
-    vec![("fact", fact), ("dim", dim)]
+    // No rows at all: every dimension row's count is 0.
+    let none = RecordBatch::new_empty(Arc::new(Schema::new(vec![
+        Field::new("k", DataType::Int64, true),
+        Field::new("x", DataType::Int64, true),
+    ])));
+    vec![("fact", fact), ("dim", dim), ("none", none)]
 }
 
 /// Queries counted by sets: grouped, an integer argument, over a join.
@@ -91,6 +96,9 @@ const TAKEN: &[&str] = &[
      JOIN dim d ON f.k = d.k GROUP BY d.g",
     "SELECT d.name, count(DISTINCT f.x) AS c FROM fact f JOIN dim d ON f.k = d.k \
      WHERE f.id % 3 = 0 GROUP BY d.name HAVING count(DISTINCT f.x) > 10",
+    // An empty side.
+    "SELECT d.g, count(DISTINCT n.x) AS c FROM dim d LEFT JOIN none n ON n.k = d.k \
+     GROUP BY d.g",
 ];
 
 /// Queries DataFusion regroups (its alias `alias1` in the plan).
