@@ -350,6 +350,11 @@ enum Command {
         /// CREATE TABLE makes session-local tables in memory.
         #[arg(long, conflicts_with = "connect")]
         catalog: Option<PathBuf>,
+        /// A setting the session starts with, e.g. --set sieve.ndp=off or
+        /// --set datafusion.runtime.memory_limit=1G (not with --connect:
+        /// there, SET in SQL).
+        #[arg(long = "set", conflicts_with = "connect")]
+        settings: Vec<String>,
     },
     /// A long-lived compute node for clients: the PostgreSQL wire protocol
     /// (psql, JDBC, psycopg) and Arrow Flight SQL (ADBC, JDBC), each
@@ -793,6 +798,7 @@ async fn run(cli: Cli) -> Result<()> {
             password_file,
             tls_ca,
             catalog,
+            settings,
         } => {
             let printer = Printer { format, output };
             if let Some(url) = connect {
@@ -839,6 +845,7 @@ async fn run(cli: Cli) -> Result<()> {
                 tables.as_deref(),
             )
             .await?;
+            session.apply_settings(&settings)?;
             let mut backend = Backend::Local(session.context);
             let result = run_sql(&mut backend, command, file, &printer).await;
             drop(embedded);

@@ -64,6 +64,15 @@ extensions_options! {
         /// returned is touched again by the next statement, so statements
         /// run back to back keep it. 0: at once at every statement's end.
         pub release_memory_idle_ms: u64, default = 1000
+        /// The memory one statement's operators share (a size such as
+        /// `1G` or `512M`, `auto` or `unbounded`, the default: the
+        /// session's pool alone): past it, sorts, aggregations and hash
+        /// joins spill, and what cannot spill fails with `Resources
+        /// exhausted`. Every byte is also taken from the session's pool
+        /// (`datafusion.runtime.memory_limit`, half the machine by
+        /// default), which bounds the statements running at once together.
+        /// See `crate::memory` for what a bound costs.
+        pub query_memory_limit: String, default = "unbounded".to_string()
         /// Push a star join only if its build sides' rows are at most this
         /// share of the probe table's mean rows per slice: every slice
         /// builds the hash tables again, and past it a join filter does

@@ -18,11 +18,25 @@
 //! datafusion.runtime.memory_limit=4G|auto|unbounded` on the command line
 //! ([`crate::SieveSession::apply_settings`], a fair pool again).
 //!
+//! `sieve.query_memory_limit` bounds one statement's share of it:
+//! [`StatementEndExec`], the root of every plan, runs the statement with a
+//! [`StatementPool`] of that size, fair among the statement's own
+//! consumers as above, whose every byte is also taken from the session's
+//! pool. A statement's working memory then stops growing with the data it
+//! reads, and one statement of a server cannot take all of the session's
+//! pool. It is off by default (`unbounded`) because of what it costs:
+//! TPC-H at SF 100 (3 nodes, loopback) under `1G` peaked at 1,016 MB at
+//! the compute node instead of 1,698 MB, but its compute CPU rose from
+//! 162 to 245 s (Q13's aggregation spills 2 GB sorted by key, 126 times:
+//! 26 -> 64 s of CPU; Q9's joins, Q5, Q4 and Q16 spill too), while at
+//! SF 10 it took the same time with a peak of 442 instead of 552 MiB.
+//!
 //! Sieve's own buffers are bounded by their own settings and are not in the
 //! pool: slices in flight (`sieve.slices_in_flight`) and batches of a scan
 //! started early (`sieve.early_start_buffer_bytes`). Build keys kept for
-//! join filters are in the pool (consumer `BuildKeys`), and bounded by
-//! `sieve.join_filter_keys_max` distinct keys per column.
+//! join filters are in the session's pool but not in the statement's
+//! (consumer `BuildKeys`), and bounded by `sieve.join_filter_keys_max`
+//! distinct keys or a bitmap of 128 MiB per column.
 //!
 //! What statements freed goes back to the operating system once the
 //! process is idle ([`ReleaseMemoryPlanner`]): glibc keeps freed heap
@@ -41,7 +55,8 @@ use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::common::{internal_err, plan_err, Result};
 use datafusion::execution::context::QueryPlanner;
 use datafusion::execution::memory_pool::{
-    FairSpillPool, MemoryPool, TrackConsumersPool, UnboundedMemoryPool,
+    FairSpillPool, MemoryConsumer, MemoryLimit, MemoryPool, MemoryReservation, TrackConsumersPool,
+    UnboundedMemoryPool,
 };
 use datafusion::execution::runtime_env::{RuntimeEnv, RuntimeEnvBuilder};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
@@ -112,6 +127,115 @@ pub fn runtime_with_memory_limit(runtime: &RuntimeEnv, value: &str) -> Result<Ar
         .build_arc()
 }
 
+/// One statement's memory pool: the statement's consumers share `limit`
+/// bytes as in a session's pool (DataFusion's [`FairSpillPool`], the
+/// largest consumers named when it refuses), and every byte granted is
+/// also taken from the session's pool, which refuses past its own bound.
+#[derive(Debug)]
+pub struct StatementPool {
+    own: TrackConsumersPool<FairSpillPool>,
+    session: Arc<dyn MemoryPool>,
+}
+
+impl StatementPool {
+    /// A pool of `limit` bytes for one statement of a session whose pool is
+    /// `session`.
+    pub fn new(limit: usize, session: Arc<dyn MemoryPool>) -> Self {
+        Self {
+            own: TrackConsumersPool::new(
+                FairSpillPool::new(limit),
+                NonZeroUsize::new(CONSUMERS_NAMED).expect("non-zero"),
+            ),
+            session,
+        }
+    }
+}
+
+impl fmt::Display for StatementPool {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(formatter, "statement({}) within {}", self.own, self.session)
+    }
+}
+
+impl MemoryPool for StatementPool {
+    fn name(&self) -> &str {
+        "statement"
+    }
+
+    fn register(&self, consumer: &MemoryConsumer) {
+        self.own.register(consumer);
+        self.session.register(consumer);
+    }
+
+    fn unregister(&self, consumer: &MemoryConsumer) {
+        self.own.unregister(consumer);
+        self.session.unregister(consumer);
+    }
+
+    fn grow(&self, reservation: &MemoryReservation, additional: usize) {
+        self.own.grow(reservation, additional);
+        self.session.grow(reservation, additional);
+    }
+
+    fn shrink(&self, reservation: &MemoryReservation, shrink: usize) {
+        self.own.shrink(reservation, shrink);
+        self.session.shrink(reservation, shrink);
+    }
+
+    fn try_grow(&self, reservation: &MemoryReservation, additional: usize) -> Result<()> {
+        self.own.try_grow(reservation, additional)?;
+        if let Err(error) = self.session.try_grow(reservation, additional) {
+            self.own.shrink(reservation, additional);
+            return Err(error);
+        }
+        Ok(())
+    }
+
+    fn reserved(&self) -> usize {
+        self.own.reserved()
+    }
+
+    fn memory_limit(&self) -> MemoryLimit {
+        match (self.own.memory_limit(), self.session.memory_limit()) {
+            (MemoryLimit::Finite(own), MemoryLimit::Finite(session)) => {
+                MemoryLimit::Finite(own.min(session))
+            }
+            (MemoryLimit::Finite(own), _) => MemoryLimit::Finite(own),
+            (_, session) => session,
+        }
+    }
+}
+
+/// The session's pool, as a statement run under its own
+/// [`StatementPool`] keeps it in its session config.
+#[derive(Debug)]
+struct SessionPool(Arc<dyn MemoryPool>);
+
+/// The pool of the session `context` runs in: the statement's own pool
+/// takes from it, and what is bounded by its own settings rather than by
+/// the statement's (join filters' build keys) is counted there.
+pub fn session_pool(context: &TaskContext) -> Arc<dyn MemoryPool> {
+    match context.session_config().get_extension::<SessionPool>() {
+        Some(session) => Arc::clone(&session.0),
+        None => Arc::clone(context.memory_pool()),
+    }
+}
+
+/// The bound `sieve.query_memory_limit` sets (`None`: the session's pool
+/// alone).
+fn query_memory_bytes(sieve: &SieveConfig) -> Result<Option<usize>> {
+    match memory_limit_bytes(&sieve.query_memory_limit) {
+        Ok(limit) => Ok(limit),
+        Err(_) => plan_err!(
+            "{QUERY_MEMORY_SETTING} must be 'auto', 'unbounded' or a size such as '1G' or '512M', not '{}'",
+            sieve.query_memory_limit
+        ),
+    }
+}
+
+/// The setting that bounds one statement's memory.
+pub const QUERY_MEMORY_SETTING: &str = "sieve.query_memory_limit";
+
 /// DataFusion's own query planner, with each plan's root wrapped in a
 /// [`StatementEndExec`] (unless `sieve.release_memory_after_statements` is
 /// off): when the process has run no statement for
@@ -133,14 +257,21 @@ impl QueryPlanner for ReleaseMemoryPlanner {
             .create_physical_plan(logical_plan, session)
             .await?;
         let sieve = SieveConfig::of(session.config().options());
-        Ok(if sieve.release_memory_after_statements {
-            Arc::new(StatementEndExec {
-                input: plan,
-                idle: std::time::Duration::from_millis(sieve.release_memory_idle_ms),
-            })
-        } else {
-            plan
-        })
+        let query_memory = query_memory_bytes(&sieve)?;
+        Ok(
+            if sieve.release_memory_after_statements || query_memory.is_some() {
+                Arc::new(StatementEndExec {
+                    input: plan,
+                    idle: sieve
+                        .release_memory_after_statements
+                        .then(|| std::time::Duration::from_millis(sieve.release_memory_idle_ms)),
+                    query_memory,
+                    runtime: std::sync::OnceLock::new(),
+                })
+            } else {
+                plan
+            },
+        )
     }
 }
 
@@ -155,16 +286,56 @@ impl QueryPlanner for ReleaseMemoryPlanner {
 /// waiting for the process to go idle keeps that cost out of statements
 /// that follow one another, and a server still gives its memory back
 /// between bursts.
+///
+/// It also runs the statement under `sieve.query_memory_limit`: every
+/// partition of it executes with one [`StatementPool`], made at its first
+/// partition's start.
 #[derive(Debug)]
 pub struct StatementEndExec {
     input: Arc<dyn ExecutionPlan>,
-    idle: std::time::Duration,
+    /// `None`: memory is not returned (`sieve.release_memory_after_statements`
+    /// off).
+    idle: Option<std::time::Duration>,
+    /// The statement's memory bound; `None`: the session's pool alone.
+    query_memory: Option<usize>,
+    /// The runtime the statement's partitions share: the session's, with
+    /// the statement's pool.
+    runtime: std::sync::OnceLock<Arc<RuntimeEnv>>,
 }
 
 impl StatementEndExec {
     /// The statement's own plan.
     pub fn input(&self) -> &Arc<dyn ExecutionPlan> {
         &self.input
+    }
+
+    /// `context`, with the statement's pool in its runtime if it has a
+    /// bound.
+    fn statement_context(&self, context: Arc<TaskContext>) -> Arc<TaskContext> {
+        let Some(limit) = self.query_memory else {
+            return context;
+        };
+        let session = Arc::clone(&context.runtime_env().memory_pool);
+        let runtime = self.runtime.get_or_init(|| {
+            let pool = Arc::new(StatementPool::new(limit, Arc::clone(&session)));
+            Arc::new(RuntimeEnv {
+                memory_pool: pool,
+                ..context.runtime_env().as_ref().clone()
+            })
+        });
+        Arc::new(TaskContext::new(
+            context.task_id(),
+            context.session_id(),
+            context
+                .session_config()
+                .clone()
+                .with_extension(Arc::new(SessionPool(session))),
+            context.scalar_functions().clone(),
+            context.higher_order_functions().clone(),
+            context.aggregate_functions().clone(),
+            context.window_functions().clone(),
+            Arc::clone(runtime),
+        ))
     }
 }
 
@@ -174,11 +345,18 @@ impl DisplayAs for StatementEndExec {
         _format: DisplayFormatType,
         formatter: &mut fmt::Formatter<'_>,
     ) -> fmt::Result {
-        write!(
-            formatter,
-            "StatementEndExec: freed memory returned once no statement runs for {} ms",
-            self.idle.as_millis()
-        )
+        write!(formatter, "StatementEndExec:")?;
+        if let Some(limit) = self.query_memory {
+            write!(formatter, " statement memory at most {} MiB,", limit >> 20)?;
+        }
+        match self.idle {
+            Some(idle) => write!(
+                formatter,
+                " freed memory returned once no statement runs for {} ms",
+                idle.as_millis()
+            ),
+            None => write!(formatter, " freed memory kept"),
+        }
     }
 }
 
@@ -220,6 +398,8 @@ impl ExecutionPlan for StatementEndExec {
         Ok(Arc::new(Self {
             input: Arc::clone(input),
             idle: self.idle,
+            query_memory: self.query_memory,
+            runtime: std::sync::OnceLock::new(),
         }))
     }
 
@@ -228,9 +408,12 @@ impl ExecutionPlan for StatementEndExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
+        let context = self.statement_context(context);
         let stream = self.input.execute(partition, context)?;
-        let open = OpenStatement::begin(self.idle);
-        Ok(crate::guarded::holding(stream, open))
+        Ok(match self.idle {
+            Some(idle) => crate::guarded::holding(stream, OpenStatement::begin(idle)),
+            None => stream,
+        })
     }
 }
 
@@ -345,7 +528,6 @@ pub fn release_freed_memory() {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use datafusion::execution::memory_pool::MemoryLimit;
 
     #[test]
     fn limits_parse_and_bad_ones_are_named() {
@@ -362,5 +544,32 @@ mod tests {
             memory_pool(Some(1 << 20)).memory_limit(),
             MemoryLimit::Finite(_)
         ));
+    }
+
+    #[test]
+    fn a_statement_pool_grants_within_its_bound_and_the_sessions() {
+        let session = memory_pool(Some(10 << 20));
+        let first =
+            Arc::new(StatementPool::new(4 << 20, Arc::clone(&session))) as Arc<dyn MemoryPool>;
+        let second =
+            Arc::new(StatementPool::new(8 << 20, Arc::clone(&session))) as Arc<dyn MemoryPool>;
+        assert!(matches!(first.memory_limit(), MemoryLimit::Finite(bytes) if bytes == 4 << 20));
+        let a = MemoryConsumer::new("a").register(&first);
+        a.try_grow(3 << 20).unwrap();
+        // Past the statement's bound, though the session has room.
+        let error = a.try_grow(2 << 20).unwrap_err().to_string();
+        assert!(error.contains("Resources exhausted"), "{error}");
+        assert_eq!((first.reserved(), session.reserved()), (3 << 20, 3 << 20));
+        // Within its own bound, past what the session has left: refused,
+        // and nothing stays counted in the statement's pool.
+        let b = MemoryConsumer::new("b").register(&second);
+        b.try_grow(6 << 20).unwrap();
+        assert!(b.try_grow(2 << 20).is_err());
+        assert_eq!((second.reserved(), session.reserved()), (6 << 20, 9 << 20));
+        a.free();
+        b.try_grow(2 << 20).unwrap();
+        drop(b);
+        drop(a);
+        assert_eq!(session.reserved(), 0);
     }
 }

@@ -149,3 +149,34 @@ async fn grouped_distinct_counts_over_joins_are_counted_by_sets() {
     drop(cluster);
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// Under a statement pool too small for the sets, the partial aggregation
+/// emits its groups early and the final one spills, again and again: each
+/// time the sets' memory must come back (DataFusion's accumulator kept its
+/// capacity, and the query failed with `Resources exhausted`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn distinct_counts_under_a_small_statement_pool_keep_their_answers() {
+    let root = common::empty_root("distinct-counts-pool", NODES);
+    let (cluster, session) = common::cluster_with_catalog(&root, NODES).await;
+    let reference = SessionContext::new();
+    common::create_owned_tables(
+        &session,
+        &reference,
+        tables(),
+        "slice_rows = 5000, page_rows = 512",
+    )
+    .await;
+    session
+        .apply_settings(&[
+            "sieve.query_memory_limit=1M".into(),
+            "datafusion.execution.target_partitions=2".into(),
+            "datafusion.execution.sort_spill_reservation_bytes=65536".into(),
+        ])
+        .unwrap();
+    for sql in TAKEN {
+        check(&session, &reference, sql, "fact").await;
+    }
+    drop(session);
+    drop(cluster);
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -65,6 +65,73 @@ async fn run_counting(session: &SieveSession, sql: &str) -> (Vec<String>, usize,
     )
 }
 
+/// A sort and an aggregation of 300,000 rows of 26 bytes each (and as
+/// many groups).
+const SPILLING: [&str; 2] = [
+    "select l_orderkey, l_linenumber, r_regionkey, l_extendedprice \
+     from lineitem cross join region \
+     order by l_extendedprice, l_orderkey, l_linenumber, r_regionkey",
+    "select l_orderkey, l_linenumber, r_regionkey, count(*) as n, \
+     sum(l_quantity) as q from lineitem cross join region \
+     group by l_orderkey, l_linenumber, r_regionkey \
+     order by l_orderkey, l_linenumber, r_regionkey",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_takes_at_most_its_own_bound_of_the_sessions_pool() {
+    let root = common::small_slices(1);
+    let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
+    let session = cluster.session().await.unwrap();
+    let reference = reference_context(&root, NODES).await.unwrap();
+    // The session's pool stays half the machine; each statement gets 36 MB
+    // of it (the fair shares of the test above).
+    session
+        .apply_settings(&[
+            "sieve.query_memory_limit=36M".into(),
+            "datafusion.execution.target_partitions=2".into(),
+            "datafusion.execution.sort_spill_reservation_bytes=4194304".into(),
+        ])
+        .unwrap();
+    let session_pool = Arc::clone(&session.context.runtime_env().memory_pool);
+    assert!(matches!(
+        session_pool.memory_limit(),
+        MemoryLimit::Finite(bytes) if bytes > 1 << 30
+    ));
+    for sql in SPILLING {
+        let expected = rows_as_text(&run(&reference, sql).await.unwrap(), false).unwrap();
+        for on in [true, false] {
+            session.set_ndp(on).unwrap();
+            let (actual, spilled) = run_counting_spills(&session, sql).await;
+            assert_eq!(actual, expected, "NDP {on}: {sql}");
+            assert!(
+                spilled > 0,
+                "NDP {on}: nothing spilled under a 36 MB statement bound: {sql}"
+            );
+            // What the statement held was taken from the session's pool,
+            // and is back.
+            assert_eq!(session_pool.reserved(), 0, "NDP {on}: {sql}");
+        }
+    }
+    // Without a statement bound the session's pool alone holds them.
+    session
+        .apply_settings(&["sieve.query_memory_limit=unbounded".into()])
+        .unwrap();
+    let (actual, spilled) = run_counting_spills(&session, SPILLING[1]).await;
+    assert_eq!(
+        actual,
+        rows_as_text(&run(&reference, SPILLING[1]).await.unwrap(), false).unwrap()
+    );
+    assert_eq!(spilled, 0, "spilled without a statement bound");
+    session
+        .apply_settings(&["sieve.query_memory_limit=lots".into()])
+        .unwrap();
+    let error = run(&session.context, SPILLING[1])
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("sieve.query_memory_limit"), "{error}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_a_small_pool_sorts_and_aggregations_spill_and_keep_their_answers() {
     let root = common::small_slices(1);
@@ -101,17 +168,7 @@ async fn under_a_small_pool_sorts_and_aggregations_spill_and_keep_their_answers(
         session.context.runtime_env().memory_pool.memory_limit(),
         MemoryLimit::Finite(bytes) if bytes == 36 << 20
     ));
-    // 300,000 rows of 26 bytes each, and as many groups.
-    let queries = [
-        "select l_orderkey, l_linenumber, r_regionkey, l_extendedprice \
-         from lineitem cross join region \
-         order by l_extendedprice, l_orderkey, l_linenumber, r_regionkey",
-        "select l_orderkey, l_linenumber, r_regionkey, count(*) as n, \
-         sum(l_quantity) as q from lineitem cross join region \
-         group by l_orderkey, l_linenumber, r_regionkey \
-         order by l_orderkey, l_linenumber, r_regionkey",
-    ];
-    for sql in queries {
+    for sql in SPILLING {
         let expected = rows_as_text(&run(&reference, sql).await.unwrap(), false).unwrap();
         for on in [true, false] {
             session.set_ndp(on).unwrap();
