@@ -77,6 +77,29 @@ fn tables() -> Vec<(&'static str, RecordBatch)> {
     vec![("fact", fact), ("dim", dim), ("none", none)]
 }
 
+/// The tables on an embedded cluster (with a catalog under a fresh root
+/// named `name`) and in plain DataFusion.
+async fn loaded(
+    name: &str,
+) -> (
+    std::path::PathBuf,
+    sieve_cli::cluster::EmbeddedCluster,
+    sieve_compute::SieveSession,
+    SessionContext,
+) {
+    let root = common::empty_root(name, NODES);
+    let (cluster, session) = common::cluster_with_catalog(&root, NODES).await;
+    let reference = SessionContext::new();
+    common::create_owned_tables(
+        &session,
+        &reference,
+        tables(),
+        "slice_rows = 5000, page_rows = 512",
+    )
+    .await;
+    (root, cluster, session, reference)
+}
+
 /// Queries counted by sets: grouped, an integer argument, over a join.
 const TAKEN: &[&str] = &[
     // Q16's shape: distinct values per group of the other side's columns.
@@ -113,16 +136,7 @@ const NOT_TAKEN: &[&str] = &[
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grouped_distinct_counts_over_joins_are_counted_by_sets() {
-    let root = common::empty_root("distinct-counts", NODES);
-    let (cluster, session) = common::cluster_with_catalog(&root, NODES).await;
-    let reference = SessionContext::new();
-    common::create_owned_tables(
-        &session,
-        &reference,
-        tables(),
-        "slice_rows = 5000, page_rows = 512",
-    )
-    .await;
+    let (root, cluster, session, reference) = loaded("distinct-counts").await;
 
     for on in [true, false] {
         session
@@ -156,16 +170,7 @@ async fn grouped_distinct_counts_over_joins_are_counted_by_sets() {
 /// capacity, and the query failed with `Resources exhausted`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn distinct_counts_under_a_small_statement_pool_keep_their_answers() {
-    let root = common::empty_root("distinct-counts-pool", NODES);
-    let (cluster, session) = common::cluster_with_catalog(&root, NODES).await;
-    let reference = SessionContext::new();
-    common::create_owned_tables(
-        &session,
-        &reference,
-        tables(),
-        "slice_rows = 5000, page_rows = 512",
-    )
-    .await;
+    let (root, cluster, session, reference) = loaded("distinct-counts-pool").await;
     session
         .apply_settings(&[
             "sieve.query_memory_limit=1M".into(),
