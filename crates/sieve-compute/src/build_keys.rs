@@ -33,7 +33,13 @@
 //! number, up to [`KEY_BITMAP_BYTES_MAX`]. TPC-H Q9's orders join at SF 100
 //! has about 30 M distinct order keys over 600 M values: 75 MB as a bitmap,
 //! about 240 MB as values (past the bound, which left the join filter
-//! without a membership test).
+//! without a membership test). Once the build side is complete, integer
+//! keys whose bitmap takes at most twice their bytes go over to one however
+//! few they are, and a bitmap sheds the room it kept for growing: the join
+//! filter's key bitmap then shares the collector's words instead of holding
+//! a second copy (TPC-H Q21 at SF 100 held each of its 75 MB order-key
+//! bitmaps twice, as the collector's words and the filter's copy of them,
+//! or beside the 56 MB of values it was made from).
 //!
 //! What it holds is counted in the session's memory pool (an unspillable
 //! consumer, `BuildKeys`), not in the statement's own bound
@@ -86,6 +92,11 @@ pub struct BuildKeys {
     /// up its part of DataFusion's filter ([`crate::SpillableHashJoinExec`]).
     spilled: std::sync::atomic::AtomicBool,
 }
+
+/// A complete column of integer keys goes over to a bitmap that takes at
+/// most this many times their bytes as values (see
+/// [`BuildKeys::finish_partition`]).
+const FINISHED_BITS_PER_VALUES: usize = 2;
 
 /// Values added since a column's last compaction below which it is not
 /// compacted again (sorting fewer costs more in calls than it saves).
@@ -163,10 +174,11 @@ impl KeyColumn {
     }
 
     /// After a compaction: an integer column of more than `switch_keys`
-    /// distinct keys whose range takes fewer bytes as a bitmap than as
-    /// values goes over to a bitmap, which no longer grows with the keys,
-    /// only with their range (bounded by [`KEY_BITMAP_BYTES_MAX`]).
-    fn maybe_to_bits(&mut self, switch_keys: usize) {
+    /// distinct keys whose range takes at most `values_ratio` times their
+    /// bytes as a bitmap goes over to a bitmap, which no longer grows with
+    /// the keys, only with their range (bounded by
+    /// [`KEY_BITMAP_BYTES_MAX`]).
+    fn maybe_to_bits(&mut self, switch_keys: usize, values_ratio: usize) {
         let Some(distinct) = &self.distinct else {
             return;
         };
@@ -177,7 +189,12 @@ impl KeyColumn {
             return;
         };
         let bitmap_bytes = KeyBits::span_words(low, high).saturating_mul(8);
-        if bitmap_bytes > KEY_BITMAP_BYTES_MAX || bitmap_bytes > distinct.get_array_memory_size() {
+        if bitmap_bytes > KEY_BITMAP_BYTES_MAX
+            || bitmap_bytes
+                > distinct
+                    .get_array_memory_size()
+                    .saturating_mul(values_ratio)
+        {
             return;
         }
         let mut bits = KeyBits::new(distinct.data_type().clone(), low, high);
@@ -205,7 +222,9 @@ pub struct KeyBits {
     data_type: DataType,
     /// A multiple of 64.
     base: i64,
-    words: Vec<u64>,
+    /// Shared, once the keys are complete, with the key bitmap made of
+    /// them ([`Self::trimmed`]): one copy of a 75 MB bitmap, not two.
+    words: Arc<Vec<u64>>,
 }
 
 impl KeyBits {
@@ -215,7 +234,7 @@ impl KeyBits {
         Self {
             data_type,
             base,
-            words: vec![0; Self::span_words(base, high)],
+            words: Arc::new(vec![0; Self::span_words(base, high)]),
         }
     }
 
@@ -254,28 +273,29 @@ impl KeyBits {
             return false;
         }
         let base = low.div_euclid(64).saturating_mul(64);
+        let self_words = Arc::make_mut(&mut self.words);
         if base < self.base {
             // Keys below the range: shift the words up, with room for more
             // below (up to half the words again) so that keys arriving in
             // descending order do not copy the bitmap each time.
             let needed = usize::try_from((self.base - base) / 64).unwrap_or(usize::MAX);
-            let room = (self.words.len() / 2)
+            let room = (self_words.len() / 2)
                 .min(KEY_BITMAP_BYTES_MAX / 8 - words)
                 .min(usize::try_from((i128::from(base) - i128::from(i64::MIN)) / 64).unwrap_or(0));
             let prepend = needed + room;
-            let mut grown = vec![0u64; prepend + self.words.len()];
-            grown[prepend..].copy_from_slice(&self.words);
-            self.words = grown;
+            let mut grown = vec![0u64; prepend + self_words.len()];
+            grown[prepend..].copy_from_slice(self_words);
+            *self_words = grown;
             self.base -= (prepend as i64) * 64;
         }
         let needed = Self::span_words(self.base, high);
-        if needed > self.words.len() {
+        if needed > self_words.len() {
             // Doubling, as a vector does, but never past the bound.
-            let target = (self.words.capacity() * 2).clamp(needed, KEY_BITMAP_BYTES_MAX / 8);
-            self.words.reserve_exact(target - self.words.len());
-            self.words.resize(needed, 0);
+            let target = (self_words.capacity() * 2).clamp(needed, KEY_BITMAP_BYTES_MAX / 8);
+            self_words.reserve_exact(target - self_words.len());
+            self_words.resize(needed, 0);
         }
-        let (base, words) = (self.base, self.words.as_mut_slice());
+        let (base, words) = (self.base, self_words.as_mut_slice());
         each_integer(array, |value| {
             let offset = (value - base) as u64;
             words[(offset >> 6) as usize] |= 1 << (offset & 63);
@@ -311,19 +331,41 @@ impl KeyBits {
         ))
     }
 
+    /// Drop the words before the one holding the smallest key and after
+    /// the one holding the largest, and the capacity kept for growing, in
+    /// place: done once the keys are complete, so that [`Self::trimmed`]
+    /// shares the words instead of copying them.
+    fn trim(&mut self) {
+        let words = Arc::make_mut(&mut self.words);
+        let Some(first) = words.iter().position(|word| *word != 0) else {
+            *words = Vec::new();
+            return;
+        };
+        let last = words
+            .iter()
+            .rposition(|word| *word != 0)
+            .expect("a word is set");
+        words.truncate(last + 1);
+        words.drain(..first);
+        words.shrink_to_fit();
+        self.base += 64 * first as i64;
+    }
+
     /// The words from the one holding the smallest key to the one holding
     /// the largest, with the value of their first bit and the number of
     /// values from it to the largest key: what a key bitmap is made of.
-    pub fn trimmed(&self) -> Option<(i64, u64, Vec<u64>)> {
+    /// Shared with this bitmap once [trimmed](Self::trim), else copied.
+    pub fn trimmed(&self) -> Option<(i64, u64, Arc<Vec<u64>>)> {
         let (low, high) = self.low_high()?;
         let first = usize::try_from((low - self.base) / 64).ok()?;
         let last = usize::try_from((high - self.base) / 64).ok()?;
         let base = self.base + 64 * first as i64;
-        Some((
-            base,
-            (high - base) as u64 + 1,
-            self.words[first..=last].to_vec(),
-        ))
+        let words = if first == 0 && last + 1 == self.words.len() {
+            Arc::clone(&self.words)
+        } else {
+            Arc::new(self.words[first..=last].to_vec())
+        };
+        Some((base, (high - base) as u64 + 1, words))
     }
 
     /// The keys as an array of the build keys' type, ascending.
@@ -520,7 +562,7 @@ impl BuildKeys {
                 Ok(_) if stopped => {}
                 Ok(distinct) => {
                     column.distinct = Some(distinct);
-                    column.maybe_to_bits(self.bits_after_keys());
+                    column.maybe_to_bits(self.bits_after_keys(), 1);
                 }
                 Err(error) => failed = Some(error),
             }
@@ -592,13 +634,25 @@ impl BuildKeys {
                 // Every partition's pushes have returned: no compaction is
                 // in flight.
                 let result = state.columns.iter_mut().try_for_each(|column| {
-                    if column.pending.is_empty() {
-                        return Ok(());
+                    if !column.pending.is_empty() {
+                        column.distinct = Some(compact(column.distinct.take(), &column.pending)?);
+                        column.pending.clear();
+                        column.pending_rows = 0;
                     }
-                    column.distinct = Some(compact(column.distinct.take(), &column.pending)?);
-                    column.pending.clear();
-                    column.pending_rows = 0;
-                    column.maybe_to_bits(self.bits_after_keys());
+                    // Complete: integer keys whose bitmap takes at most
+                    // twice their bytes go over to one whatever their
+                    // number, and a bitmap sheds the words it kept for
+                    // growing, so that a join filter shares it. At that
+                    // density (a key in 128 values or more) a filter of
+                    // them is a bitmap (its compressed bytes are below a
+                    // Bloom filter's), which it would otherwise build from
+                    // the values: a second copy, held as long. TPC-H Q21 at
+                    // SF 100 kept 7 M order keys twice so, 56 MB of values
+                    // and a 75 MB bitmap.
+                    column.maybe_to_bits(0, FINISHED_BITS_PER_VALUES);
+                    if let Some(bits) = column.bits.as_mut() {
+                        Arc::make_mut(bits).trim();
+                    }
                     Ok::<_, DataFusionError>(())
                 });
                 self.account(&mut state);
@@ -924,7 +978,8 @@ mod tests {
     fn values(keys: &ColumnKeys) -> Vec<ArrayRef> {
         match keys {
             ColumnKeys::Values(arrays) => arrays.clone(),
-            ColumnKeys::Bits(bits) => panic!("kept as a bitmap: {bits:?}"),
+            // Dense integer keys, complete.
+            ColumnKeys::Bits(bits) => vec![bits.values().unwrap()],
         }
     }
 
@@ -1146,6 +1201,10 @@ mod tests {
         assert!(base <= -150_000 && base > -150_000 - 64);
         assert_eq!(base + span as i64 - 1, 149_997);
         assert_eq!(words.len() as u64, span.div_ceil(64));
+        // Trimmed once complete: the words a key bitmap is made of are the
+        // collector's own, shared, with no room kept for growing.
+        assert!(Arc::ptr_eq(&words, &bits.trimmed().unwrap().2));
+        assert_eq!(words.capacity(), words.len());
         // A bitmap of the range, not 8 bytes per key.
         let held = collector.bytes();
         assert!(
@@ -1157,6 +1216,50 @@ mod tests {
         drop(tap);
         drop(collector);
         assert_eq!(pool.reserved(), 0);
+    }
+
+    /// Once complete, integer keys whose bitmap takes at most twice their
+    /// bytes go over to one however few they are (here 2,000, far below a
+    /// quarter of the bound), and give the same keys back; sparser ones
+    /// stay values.
+    #[tokio::test]
+    async fn complete_keys_go_over_to_a_bitmap_of_at_most_twice_their_bytes() {
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, true)]));
+        for (step, as_bits) in [(100, true), (1_000, false)] {
+            let keys: Vec<i64> = (0..2_000).map(|key| 7 + key * step).collect();
+            let mut batch: Vec<Option<i64>> = keys.iter().rev().copied().map(Some).collect();
+            batch.push(None);
+            let partitions = vec![batches_of(&schema, vec![batch])];
+            let input =
+                MemorySourceConfig::try_new_exec(&partitions, Arc::clone(&schema), None).unwrap();
+            let collector = Arc::new(BuildKeys::new(1, 1, 1_000_000));
+            let tap = BuildKeysExec::new(
+                input,
+                vec![Arc::new(Column::new("k", 0))],
+                Arc::clone(&collector),
+            );
+            collect(tap.execute(0, Arc::new(TaskContext::default())).unwrap())
+                .await
+                .unwrap();
+            let CollectedKeys::Keys(columns) = collector.collected() else {
+                panic!("{:?}", collector.collected());
+            };
+            match &columns[0] {
+                ColumnKeys::Bits(bits) => {
+                    assert!(as_bits, "one key in {step} values: kept as values");
+                    assert_eq!(bits.keys(), 2_000);
+                    assert_eq!(sorted_i64(&bits.values().unwrap()), keys);
+                    let (base, span, words) = bits.trimmed().unwrap();
+                    assert_eq!((base, base + span as i64 - 1), (0, keys[1_999]));
+                    assert_eq!(words.len() as u64, span.div_ceil(64));
+                }
+                ColumnKeys::Values(arrays) => {
+                    assert!(!as_bits, "one key in {step} values: a bitmap");
+                    let all: Vec<i64> = arrays.iter().flat_map(sorted_i64).collect();
+                    assert_eq!(all, keys);
+                }
+            }
+        }
     }
 
     /// Keys kept as a bitmap, then one far outside its range: the bitmap

@@ -179,15 +179,17 @@ impl KeyBitmapExpr {
 
     /// A bitmap from its words: bit `i` of word `w` stands for the value
     /// `base + 64 * w + i`, `bits` values in all (a build side's keys
-    /// collected as a bitmap, or one received on the wire).
+    /// collected as a bitmap, or one received on the wire). Words already
+    /// shared (a collector's) are held, not copied.
     pub fn from_words(
         input: Arc<dyn PhysicalExpr>,
         data_type: DataType,
         base: i64,
         bits: u64,
-        words: Vec<u64>,
+        words: impl Into<Arc<Vec<u64>>>,
         keys: u64,
     ) -> Result<Self> {
+        let words = words.into();
         if !Self::supports(&data_type) {
             return plan_err!("a key bitmap cannot hold keys of type {data_type}");
         }
@@ -205,7 +207,7 @@ impl KeyBitmapExpr {
             data_type,
             base,
             bits,
-            words: Arc::new(words),
+            words,
             chunks: None,
             keys,
             prefilter: Arc::default(),

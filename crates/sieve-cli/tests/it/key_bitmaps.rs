@@ -116,9 +116,11 @@ const QUERIES: &[&str] = &[
 async fn keys_past_the_bound_in_a_narrow_range_filter_exactly_as_a_bitmap() {
     let (root, cluster, session, reference) = fact_and_dim("key-bitmaps").await;
 
-    // At the default bound the 5,600 keys are values; at 1,000 they pass
-    // it and are kept as a bitmap. Both are exact: the probe scan yields
-    // the same rows, fewer than the table's.
+    // At the default bound the 5,600 keys are collected as values and go
+    // over to a bitmap once complete (one key in three values: the bitmap
+    // takes a twentieth of their bytes); at 1,000 they pass the bound and
+    // go over to a bitmap while the build side streams in. Both are exact:
+    // the probe scan yields the same rows, fewer than the table's.
     let mut yielded = Vec::new();
     for (bound, partitioned) in [(None, false), (Some(1000), false), (Some(1000), true)] {
         if let Some(bound) = bound {
@@ -132,9 +134,8 @@ async fn keys_past_the_bound_in_a_narrow_range_filter_exactly_as_a_bitmap() {
         }
         let fact = fact_scan(&session, QUERIES[0]).await;
         assert!(fact.contains("join filter from"), "{fact}");
-        assert_eq!(
+        assert!(
             fact.contains("collected as a bitmap"),
-            bound.is_some(),
             "bound {bound:?}: {fact}"
         );
         assert!(!fact.contains("no membership test"), "{fact}");

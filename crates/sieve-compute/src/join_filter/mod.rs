@@ -459,6 +459,9 @@ fn build(
             Some(Members::Listed(values)) => Some(Arc::clone(values)),
             Some(Members::BuildKeys(position)) => {
                 match build_keys.and_then(|keys| keys.get(*position)) {
+                    Some(ColumnKeys::Values(arrays)) if arrays.len() == 1 => {
+                        Some(Arc::clone(&arrays[0]))
+                    }
                     Some(ColumnKeys::Values(arrays)) if !arrays.is_empty() => {
                         let arrays: Vec<&dyn Array> =
                             arrays.iter().map(|array| array.as_ref()).collect();
@@ -687,6 +690,19 @@ fn bits_membership(
     parts: &mut Vec<String>,
 ) -> Result<Option<Arc<dyn PhysicalExpr>>> {
     let keys = bits.keys();
+    if (1..=LIST_PREFERRED_MAX as u64).contains(&keys) {
+        // A few keys (a small set the collector holds as a bitmap, being
+        // dense): as for values, an IN list.
+        return membership(
+            key,
+            &bits.values()?,
+            bounds,
+            distinct_bound,
+            settings,
+            table_schema,
+            parts,
+        );
+    }
     let data_type = key.data_type(table_schema)?;
     let Some((base, span, words)) = bits.trimmed() else {
         return Ok(None);
@@ -778,7 +794,13 @@ fn distinct_sorted<T: ArrowPrimitiveType>(array: &ArrayRef) -> ArrayRef
 where
     T::Native: Ord,
 {
-    let array = array.as_primitive::<T>();
+    let primitive = array.as_primitive::<T>();
+    if primitive.null_count() == 0 && primitive.values().windows(2).all(|pair| pair[0] < pair[1]) {
+        // Already distinct and sorted (a collector's compacted keys): the
+        // same array, not a copy.
+        return Arc::clone(array);
+    }
+    let array = primitive;
     let mut values: Vec<T::Native> = array.iter().flatten().collect();
     values.sort_unstable();
     values.dedup();
