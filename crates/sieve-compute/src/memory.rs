@@ -318,7 +318,14 @@ impl MemoryPool for FloorsPool {
             let shared = spill_available.saturating_sub(floor * state.spillers.len().max(1));
             let part = floor + shared / past_floors;
             let room = available.saturating_sub(unused_floors);
-            if after > part || additional > room {
+            // A consumer holding nothing has nothing left to spill: refused,
+            // it fails its statement. It takes what the others' floors
+            // leave, past its part: a sort reserves a batch sliced from an
+            // aggregation's output as if it held the whole output
+            // (DataFusion 55), and was refused under a 36 MB bound once the
+            // aggregation above it had grown without spilling.
+            let past_part = after > part && held > 0;
+            if past_part || additional > room {
                 return Err(self.refuse(
                     reservation,
                     additional,
@@ -825,6 +832,41 @@ mod tests {
             assert!(held <= LIMIT, "{held} bytes held in a pool of {LIMIT}");
         }
         assert!(granted > 1_000, "only {granted} grants");
+    }
+
+    /// A consumer that holds nothing (it spilled everything) is granted
+    /// past its part what the others' floors leave, never more.
+    #[test]
+    fn a_consumer_holding_nothing_takes_past_its_part_what_the_floors_leave() {
+        const MB: usize = 1 << 20;
+        let pool = Arc::new(FloorsPool::new(40 * MB)) as Arc<dyn MemoryPool>;
+        let spiller = |name: &str| {
+            MemoryConsumer::new(name)
+                .with_can_spill(true)
+                .register(&pool)
+        };
+        let (aggregate, sort, idle) = (spiller("aggregate"), spiller("sort"), spiller("idle"));
+        // Floors of 40 / 6 MB; the aggregation takes its part.
+        let floor = 40 * MB / 6;
+        let part = floor + (40 * MB - 3 * floor) / 2;
+        aggregate.try_grow(part - MB).unwrap();
+        // Free: 40 - part + 1 MB; the idle consumer's floor stays its own.
+        let room = 40 * MB - (part - MB) - floor;
+        assert!(
+            room > part - floor,
+            "the test needs room past the sort's part"
+        );
+        // Holding something, the sort is held to its part.
+        sort.try_grow(MB).unwrap();
+        assert!(sort.try_grow(part).is_err());
+        // Holding nothing, it takes what the idle floor leaves, not more.
+        sort.free();
+        assert!(sort.try_grow(room + 1).is_err());
+        sort.try_grow(room).unwrap();
+        assert!(sort.size() > part);
+        // And the idle consumer still has its floor.
+        idle.try_grow(floor).unwrap();
+        assert_eq!(pool.reserved(), 40 * MB);
     }
 
     #[test]
