@@ -690,10 +690,9 @@ fn bits_membership(
     parts: &mut Vec<String>,
 ) -> Result<Option<Arc<dyn PhysicalExpr>>> {
     let keys = bits.keys();
-    if (1..=LIST_PREFERRED_MAX as u64).contains(&keys) {
-        // A few keys (a small set the collector holds as a bitmap, being
-        // dense): as for values, an IN list.
-        return membership(
+    // The same choices as for keys kept as values.
+    let as_values = |parts: &mut Vec<String>| {
+        membership(
             key,
             &bits.values()?,
             bounds,
@@ -701,7 +700,12 @@ fn bits_membership(
             settings,
             table_schema,
             parts,
-        );
+        )
+    };
+    if (1..=LIST_PREFERRED_MAX as u64).contains(&keys) {
+        // A few keys (a small set the collector holds as a bitmap, being
+        // dense): as for values, an IN list.
+        return as_values(parts);
     }
     let data_type = key.data_type(table_schema)?;
     let Some((base, span, words)) = bits.trimmed() else {
@@ -733,16 +737,7 @@ fn bits_membership(
             ));
             return Ok(None);
         }
-        // The same choices as for keys kept as values.
-        return membership(
-            key,
-            &bits.values()?,
-            bounds,
-            distinct_bound,
-            settings,
-            table_schema,
-            parts,
-        );
+        return as_values(parts);
     }
     let bitmap = KeyBitmapExpr::from_words(Arc::clone(key), data_type, base, span, words, keys)?;
     parts.push(format!(
