@@ -769,6 +769,13 @@ pub fn release_freed_memory() {
 mod tests {
     use super::*;
 
+    /// A spilling consumer of `pool`.
+    fn spiller(pool: &Arc<dyn MemoryPool>, name: impl Into<String>) -> MemoryReservation {
+        MemoryConsumer::new(name)
+            .with_can_spill(true)
+            .register(pool)
+    }
+
     #[test]
     fn limits_parse_and_bad_ones_are_named() {
         assert_eq!(memory_limit_bytes("512M").unwrap(), Some(512 << 20));
@@ -789,12 +796,12 @@ mod tests {
     #[test]
     fn a_consumer_alone_past_its_floor_takes_the_shared_half_and_others_keep_their_floors() {
         let pool = Arc::new(FloorsPool::new(100 << 20)) as Arc<dyn MemoryPool>;
-        let spiller = |name: &str| {
-            MemoryConsumer::new(name)
-                .with_can_spill(true)
-                .register(&pool)
-        };
-        let (a, b, c, d) = (spiller("a"), spiller("b"), spiller("c"), spiller("d"));
+        let (a, b, c, d) = (
+            spiller(&pool, "a"),
+            spiller(&pool, "b"),
+            spiller(&pool, "c"),
+            spiller(&pool, "d"),
+        );
         // Four spilling consumers: floors of 12.5 MB each, 50 MB shared.
         // DataFusion's fair pool would stop `a` at 25 MB.
         a.try_grow(60 << 20).unwrap();
@@ -834,12 +841,7 @@ mod tests {
     fn a_consumer_within_its_part_is_granted_what_others_hold_past_theirs() {
         const MB: usize = 1 << 20;
         let pool = Arc::new(FloorsPool::new(40 * MB)) as Arc<dyn MemoryPool>;
-        let spiller = |name: &str| {
-            MemoryConsumer::new(name)
-                .with_can_spill(true)
-                .register(&pool)
-        };
-        let (aggregate, sort) = (spiller("aggregate"), spiller("sort"));
+        let (aggregate, sort) = (spiller(&pool, "aggregate"), spiller(&pool, "sort"));
         // Floors of 10 MB, 20 MB shared: the sort, alone past its floor,
         // takes all of it.
         aggregate.try_grow(8 * MB).unwrap();
@@ -867,11 +869,7 @@ mod tests {
         const SPILLERS: usize = 6;
         let pool = Arc::new(FloorsPool::new(LIMIT)) as Arc<dyn MemoryPool>;
         let reservations: Vec<_> = (0..SPILLERS)
-            .map(|index| {
-                MemoryConsumer::new(format!("s{index}"))
-                    .with_can_spill(true)
-                    .register(&pool)
-            })
+            .map(|index| spiller(&pool, format!("s{index}")))
             .collect();
         let floor = LIMIT / (2 * SPILLERS);
         // A fixed pseudo-random walk (64-bit LCG): grow, shrink or free.
@@ -921,12 +919,11 @@ mod tests {
     fn a_consumer_holding_nothing_takes_past_its_part_what_the_floors_leave() {
         const MB: usize = 1 << 20;
         let pool = Arc::new(FloorsPool::new(40 * MB)) as Arc<dyn MemoryPool>;
-        let spiller = |name: &str| {
-            MemoryConsumer::new(name)
-                .with_can_spill(true)
-                .register(&pool)
-        };
-        let (aggregate, sort, idle) = (spiller("aggregate"), spiller("sort"), spiller("idle"));
+        let (aggregate, sort, idle) = (
+            spiller(&pool, "aggregate"),
+            spiller(&pool, "sort"),
+            spiller(&pool, "idle"),
+        );
         // Floors of 40 / 6 MB; the aggregation takes its part.
         let floor = 40 * MB / 6;
         let part = floor + (40 * MB - 3 * floor) / 2;
