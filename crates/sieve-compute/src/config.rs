@@ -162,6 +162,12 @@ extensions_options! {
         /// partition are partitioned by key hash to disk and joined one part
         /// at a time (a grace hash join). 0 keeps every build side in memory.
         pub join_build_bytes_max: usize, default = crate::spill_join::JOIN_BUILD_BYTES_MAX
+        /// Memory one partition of a grouped aggregation on one integer key
+        /// may take for its groups indexed by key value (no hash table, see
+        /// `dense_aggregate`); past it, for a negative key, or when the
+        /// memory pool refuses, DataFusion's aggregation takes over. 0 always
+        /// hashes.
+        pub dense_aggregate_bytes_max: usize, default = 256 * 1024 * 1024
         /// Partitions of a partitioned hash join whose build side is
         /// estimated at `join_wide_build_rows` rows per partition or more
         /// (rounded up to a multiple of the plan's): each partition's hash

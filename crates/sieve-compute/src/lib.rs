@@ -33,6 +33,7 @@ mod client;
 mod config;
 pub mod copies;
 mod deep;
+mod dense_aggregate;
 mod distinct_counts;
 mod early_start;
 mod estimate;
@@ -74,6 +75,7 @@ pub use deep::{
     analyzer_rules_with_depth_limit, compute_runtime, expression_depth, ExpressionDepthLimit,
     COMPUTE_THREAD_STACK_BYTES, DEFAULT_EXPRESSION_DEPTH_MAX,
 };
+pub use dense_aggregate::{DenseAggregateExec, DenseAggregates};
 pub use distinct_counts::CountDistinctBySets;
 pub use early_start::{EarlyStartExec, StartScansEarly};
 pub use evaluate_early::EvaluateOnBuildSides;

@@ -309,6 +309,7 @@ pub fn session_over(
         .with_physical_optimizer_rule(Arc::new(WaitForJoinFilters))
         .with_physical_optimizer_rule(Arc::new(crate::PushStarJoinToStorage))
         .with_physical_optimizer_rule(Arc::new(crate::SpillHashJoins))
+        .with_physical_optimizer_rule(Arc::new(crate::DenseAggregates))
         .with_physical_optimizer_rule(Arc::new(StartScansEarly))
         .with_query_planner(Arc::new(crate::memory::ReleaseMemoryPlanner))
         .build();

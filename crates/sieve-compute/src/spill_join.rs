@@ -1063,13 +1063,13 @@ impl ExecutionPlan for JoinInputExec {
 }
 
 /// A leaf of one partition that returns a given stream once.
-struct OnceStreamExec {
+pub(crate) struct OnceStreamExec {
     stream: Mutex<Option<SendableRecordBatchStream>>,
     properties: Arc<PlanProperties>,
 }
 
 impl OnceStreamExec {
-    fn new(stream: SendableRecordBatchStream) -> Self {
+    pub(crate) fn new(stream: SendableRecordBatchStream) -> Self {
         let schema: SchemaRef = stream.schema();
         Self {
             stream: Mutex::new(Some(stream)),
@@ -1091,7 +1091,7 @@ impl fmt::Debug for OnceStreamExec {
 
 impl DisplayAs for OnceStreamExec {
     fn fmt_as(&self, _format: DisplayFormatType, formatter: &mut fmt::Formatter) -> fmt::Result {
-        formatter.write_str("OnceStreamExec: a spilled join part")
+        formatter.write_str("OnceStreamExec: a stream handed over")
     }
 }
 

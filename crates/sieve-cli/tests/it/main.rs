@@ -22,6 +22,7 @@ mod complete_aggregates;
 mod crash_loads;
 mod data_errors;
 mod deep_expressions;
+mod dense_aggregates;
 mod distinct_counts;
 mod early_start;
 mod edge_values;
