@@ -39,10 +39,11 @@ use arrow::datatypes::{DataType, Int64Type};
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::stats::Precision;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
-use datafusion::common::{internal_err, Result, Statistics};
+use datafusion::common::{internal_err, Result, ScalarValue, Statistics};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
+use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
@@ -101,6 +102,29 @@ impl PhysicalOptimizerRule for DenseAggregates {
                         .max(DENSE_SLOTS_MIN),
                 );
             }
+            // Keys the statistics say are negative or past the groups
+            // allowed would only make it fall back (TPC-H's order keys
+            // past SF 1).
+            if let Some(key) =
+                key_column(aggregate).and_then(|key| input.column_statistics.get(key))
+            {
+                let bound = |value: &Precision<ScalarValue>| {
+                    value
+                        .get_value()
+                        .and_then(|value| value.cast_to(&DataType::Int64).ok())
+                        .and_then(|value| match value {
+                            ScalarValue::Int64(value) => value,
+                            _ => None,
+                        })
+                };
+                let negative = bound(&key.min_value).is_some_and(|low| low < 0);
+                let past = bound(&key.max_value).is_some_and(|high| {
+                    usize::try_from(high).map_or(true, |high| high.saturating_add(2) > slots_max)
+                });
+                if negative || past {
+                    return Ok(Transformed::no(node));
+                }
+            }
             if slots_max < 2 {
                 return Ok(Transformed::no(node));
             }
@@ -122,6 +146,14 @@ impl PhysicalOptimizerRule for DenseAggregates {
     }
 }
 
+/// The input column `aggregate` groups by, if one.
+fn key_column(aggregate: &AggregateExec) -> Option<usize> {
+    let [(key, _)] = aggregate.group_expr().expr() else {
+        return None;
+    };
+    key.downcast_ref::<Column>().map(Column::index)
+}
+
 /// The bytes one group index takes in `aggregate`'s accumulators (their
 /// states' fixed widths, and a byte each for their validity), if the
 /// aggregation can run by key value.
@@ -140,12 +172,9 @@ fn dense_slot_bytes(aggregate: &AggregateExec) -> Result<Option<usize>> {
     {
         return Ok(None);
     }
-    let Some(key) = group_by.expr()[0].0.downcast_ref::<Column>() else {
-        return Ok(None);
-    };
+    let key = &group_by.expr()[0].0;
     let input_schema = aggregate.input().schema();
-    let key_type = input_schema.field(key.index()).data_type();
-    if !key_type.is_integer() {
+    if !key.data_type(&input_schema)?.is_integer() {
         return Ok(None);
     }
     let mut slot_bytes = 1;
@@ -172,7 +201,10 @@ fn dense_slot_bytes(aggregate: &AggregateExec) -> Result<Option<usize>> {
     // States arrive as the group column followed by each aggregate's state
     // columns (DataFusion's partial aggregation); a fallback hands them on
     // in that layout.
-    if !raw_input && (key.index() != 0 || input_schema.fields().len() != 1 + state_columns) {
+    let first_column = key
+        .downcast_ref::<Column>()
+        .is_some_and(|key| key.index() == 0);
+    if !raw_input && (!first_column || input_schema.fields().len() != 1 + state_columns) {
         return Ok(None);
     }
     Ok(Some(slot_bytes))
@@ -333,6 +365,7 @@ impl ExecutionPlan for DenseAggregateExec {
             arguments,
             filters,
             accumulators,
+            expressions: aggregate.aggr_expr().to_vec(),
             raw_input,
             slots: 0,
             slots_max: self.slots_max,
@@ -365,6 +398,8 @@ struct Groups {
     arguments: Vec<Vec<Arc<dyn PhysicalExpr>>>,
     filters: Vec<Option<Arc<dyn PhysicalExpr>>>,
     accumulators: Vec<Box<dyn GroupsAccumulator>>,
+    /// The aggregate functions, for fresh accumulators.
+    expressions: Vec<Arc<AggregateFunctionExpr>>,
     raw_input: bool,
     /// Group indexes in use: the largest key seen plus two.
     slots: usize,
@@ -495,17 +530,30 @@ impl Groups {
     /// The groups seen: their keys and the accumulators' final values
     /// (`states` false) or states, in key order; the accumulators are
     /// emptied.
+    ///
+    /// Final values are not evaluated over every group index: an index no
+    /// row had is a group no accumulator expects (DataFusion's decimal
+    /// `avg` divides by its count of zero, and panics). The states of the
+    /// groups seen are merged into fresh accumulators, as a final
+    /// aggregation merges partial ones, and those are evaluated.
     fn emit(&mut self, key_type: &DataType, states: bool) -> Result<Vec<ArrayRef>> {
         let mask = self.seen_mask();
-        let mut columns = vec![self.keys(&mask, key_type)?];
-        for accumulator in &mut self.accumulators {
-            let arrays = if states {
-                accumulator.state(EmitTo::All)?
+        let keys = self.keys(&mask, key_type)?;
+        let groups = keys.len();
+        let indexes: Vec<usize> = (0..groups).collect();
+        let mut columns = vec![keys];
+        for (accumulator, expression) in self.accumulators.iter_mut().zip(&self.expressions) {
+            let seen = accumulator
+                .state(EmitTo::All)?
+                .iter()
+                .map(|array| filter(array, &mask))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            if states {
+                columns.extend(seen);
             } else {
-                vec![accumulator.evaluate(EmitTo::All)?]
-            };
-            for array in arrays {
-                columns.push(filter(&array, &mask)?);
+                let mut merged = expression.create_groups_accumulator()?;
+                merged.merge_batch(&seen, &indexes, groups)?;
+                columns.push(merged.evaluate(EmitTo::All)?);
             }
         }
         Ok(columns)
