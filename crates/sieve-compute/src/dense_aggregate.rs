@@ -96,7 +96,18 @@ impl PhysicalOptimizerRule for DenseAggregates {
             let mut slots_max = bytes_max / slot_bytes;
             let input = StatisticsContext::new()
                 .compute(aggregate.input().as_ref(), &StatisticsArgs::new())?;
-            if let Precision::Exact(rows) | Precision::Inexact(rows) = input.num_rows {
+            // Where DataFusion's statistics know nothing (a join's output
+            // has none in DataFusion 55), the table column the key comes
+            // from, and Sieve's estimate of the rows grouped.
+            let source = crate::join_sides::group_key_source(aggregate);
+            let rows = match input.num_rows {
+                Precision::Exact(rows) | Precision::Inexact(rows) => Some(rows),
+                Precision::Absent => source.as_ref().and_then(|source| {
+                    crate::join_sides::estimated_rows(&source.rows)
+                        .map(|estimate| estimate.rows as usize)
+                }),
+            };
+            if let Some(rows) = rows {
                 slots_max = slots_max.min(
                     rows.saturating_mul(DENSE_SLOTS_PER_ROW)
                         .max(DENSE_SLOTS_MIN),
@@ -104,26 +115,37 @@ impl PhysicalOptimizerRule for DenseAggregates {
             }
             // Keys the statistics say are negative or past the groups
             // allowed would only make it fall back (TPC-H's order keys
-            // past SF 1).
-            if let Some(key) =
-                key_column(aggregate).and_then(|key| input.column_statistics.get(key))
-            {
-                let bound = |value: &Precision<ScalarValue>| {
-                    value
-                        .get_value()
-                        .and_then(|value| value.cast_to(&DataType::Int64).ok())
-                        .and_then(|value| match value {
-                            ScalarValue::Int64(value) => value,
-                            _ => None,
-                        })
-                };
-                let negative = bound(&key.min_value).is_some_and(|low| low < 0);
-                let past = bound(&key.max_value).is_some_and(|high| {
-                    usize::try_from(high).map_or(true, |high| high.saturating_add(2) > slots_max)
-                });
-                if negative || past {
-                    return Ok(Transformed::no(node));
-                }
+            // past SF 1, its part keys past SF 10).
+            let key = key_column(aggregate).and_then(|key| input.column_statistics.get(key));
+            let table_key = source.as_ref().and_then(|source| {
+                source
+                    .scan()
+                    .table()
+                    .statistics
+                    .column_statistics
+                    .get(source.table_column)
+            });
+            let bound = |value: &Precision<ScalarValue>| {
+                value
+                    .get_value()
+                    .and_then(|value| value.cast_to(&DataType::Int64).ok())
+                    .and_then(|value| match value {
+                        ScalarValue::Int64(value) => value,
+                        _ => None,
+                    })
+            };
+            let low = key
+                .and_then(|key| bound(&key.min_value))
+                .or_else(|| table_key.and_then(|key| bound(&key.min_value)));
+            let high = key
+                .and_then(|key| bound(&key.max_value))
+                .or_else(|| table_key.and_then(|key| bound(&key.max_value)));
+            let negative = low.is_some_and(|low| low < 0);
+            let past = high.is_some_and(|high| {
+                usize::try_from(high).map_or(true, |high| high.saturating_add(2) > slots_max)
+            });
+            if negative || past {
+                return Ok(Transformed::no(node));
             }
             if slots_max < 2 {
                 return Ok(Transformed::no(node));
@@ -618,7 +640,6 @@ impl Run {
             self.input.schema(),
             futures::stream::iter(batch.map(Ok)).chain(self.input),
         ));
-        let mut plans: Vec<Arc<dyn ExecutionPlan>> = vec![];
         // The rest as states: the input itself, or its partial aggregation.
         let rest = if self.groups.raw_input {
             let partial = Arc::new(AggregateExec::try_new(
@@ -629,9 +650,9 @@ impl Run {
                 Arc::new(OnceStreamExec::new(rest)),
                 aggregate.input_schema(),
             )?);
-            let stream = partial.execute(0, Arc::clone(&self.context))?;
-            plans.push(partial);
-            stream
+            // Its output is the final's input: only the final's metrics
+            // are shown.
+            partial.execute(0, Arc::clone(&self.context))?
         } else {
             rest
         };
@@ -661,18 +682,17 @@ impl Run {
             aggregate.input_schema(),
         )?);
         let stream = last.execute(0, Arc::clone(&self.context))?;
-        plans.push(last);
         let fallback_metrics = Arc::clone(&self.fallback_metrics);
         let schema = aggregate.schema();
-        let baseline = self.baseline;
         let output_schema = Arc::clone(&schema);
         let stream = stream
             .map(move |batch| {
+                // Its rows are counted in the fallback's own metrics.
                 Some(batch.and_then(|batch| {
-                    let batch =
-                        RecordBatch::try_new(Arc::clone(&output_schema), batch.columns().to_vec())?;
-                    baseline.record_output(batch.num_rows());
-                    Ok(batch)
+                    Ok(RecordBatch::try_new(
+                        Arc::clone(&output_schema),
+                        batch.columns().to_vec(),
+                    )?)
                 }))
             })
             .chain(futures::stream::once(async move {
@@ -680,7 +700,7 @@ impl Run {
                 let mut metrics = fallback_metrics
                     .lock()
                     .unwrap_or_else(|poisoned| poisoned.into_inner());
-                metrics.extend(plans.iter().filter_map(|plan| plan.metrics()));
+                metrics.extend(last.metrics());
                 None
             }))
             .filter_map(futures::future::ready);

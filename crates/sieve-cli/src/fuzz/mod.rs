@@ -354,7 +354,7 @@ pub struct FuzzReport {
 
 /// Sieve's plan rewrites the fuzz report counts, each with the text its
 /// EXPLAIN shows for it.
-pub const PLAN_FEATURES: [(&str, &str); 10] = [
+pub const PLAN_FEATURES: [(&str, &str); 11] = [
     ("pushed filter", "pushed filter:"),
     ("sorted copy", "reads copy "),
     ("pushed aggregate", "pushed aggregate:"),
@@ -365,6 +365,7 @@ pub const PLAN_FEATURES: [(&str, &str); 10] = [
     ("aggregate before join", "__sieve_first"),
     ("evaluated on a build side", "__sieve_early"),
     ("wide join", "MergePartitionsExec"),
+    ("aggregation by key value", "DenseAggregateExec"),
 ];
 
 impl FuzzReport {

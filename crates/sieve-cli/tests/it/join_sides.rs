@@ -146,6 +146,36 @@ async fn q21_builds_on_the_suppliers_lineitem_rows_and_filters_orders() {
     drop(cluster);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn q13_builds_on_the_counts_of_orders_and_streams_customer() {
+    let (cluster, session, reference) = tpch_partitioned().await;
+    // Orders counted per customer (`sieve.aggregate_before_join`), about
+    // two customers in three: the join is built on the counts, and
+    // customer, a right join's preserved probe side, takes no join filter.
+    let q13 = include_str!("../../../../queries/tpch/q13.sql");
+    for on in [true, false] {
+        set_swap(&session, on).await;
+        let plan = explain(&session.context, q13).await;
+        let join = plan
+            .lines()
+            .find(|line| line.trim_start().starts_with("HashJoinExec:"))
+            .unwrap_or_else(|| panic!("no hash join in\n{plan}"));
+        let expected = if on {
+            "join_type=Right"
+        } else {
+            "join_type=Left"
+        };
+        assert!(join.contains(expected), "swap {on}: {join}\n{plan}");
+        assert!(
+            !scan_line(&plan, "customer").contains("join filter from"),
+            "customer is preserved: {plan}"
+        );
+        check(&session, &reference, q13, "orders").await;
+    }
+    drop(session);
+    drop(cluster);
+}
+
 /// `big` (no filter, more rows than the probe side keeps) joins `mid`,
 /// which a filtered `small` cuts. NULL keys in all three.
 fn tables() -> Vec<(&'static str, RecordBatch)> {
