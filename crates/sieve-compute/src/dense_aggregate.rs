@@ -25,10 +25,13 @@
 //! reservation cannot spill): the states gathered so far, as DataFusion's
 //! partial aggregation would have produced them, and the rest of the input
 //! (through a partial aggregation, for the single-stage modes) go into a
-//! final `AggregateExec`, which spills as ever. Keys from 0 up to four
-//! times the input's estimated rows (at least 2^20) are taken; past that
-//! the groups would be too sparse for the memory they take, and
-//! DataFusion's aggregation runs from the start.
+//! final `AggregateExec`, which spills as ever. Keys from 0 up to the
+//! input's estimated rows (at least 2^20) are taken, their bounds from
+//! DataFusion's statistics or, where it has none (a join's output), from
+//! the table column the key comes from; past that the groups would be too
+//! sparse for the memory they take (TPC-H Q11 at SF 10: 320 k groups of
+//! 2 M part keys took 2.0x the time), and DataFusion's aggregation runs
+//! from the start.
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -68,7 +71,7 @@ const DENSE_SLOTS_MIN: usize = 1 << 20;
 
 /// Group indexes allowed per estimated input row: past it the groups are
 /// too sparse for the memory they take.
-const DENSE_SLOTS_PER_ROW: usize = 4;
+const DENSE_SLOTS_PER_ROW: usize = 1;
 
 /// Replaces grouped aggregations on one integer key with
 /// [`DenseAggregateExec`] (see the module documentation);
