@@ -341,6 +341,7 @@ pub(crate) fn estimated_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<Estimate> 
         || plan.downcast_ref::<RepartitionExec>().is_some()
         || plan.downcast_ref::<CoalescePartitionsExec>().is_some()
         || plan.downcast_ref::<crate::MergePartitionsExec>().is_some()
+        || plan.downcast_ref::<crate::BuildKeysExec>().is_some()
         || plan.downcast_ref::<FilterExec>().is_some();
     if passes_through {
         let [input] = &plan.children()[..] else {

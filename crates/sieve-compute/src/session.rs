@@ -308,8 +308,9 @@ pub fn session_over(
         .with_physical_optimizer_rule(Arc::new(PushAggregateToStorage))
         .with_physical_optimizer_rule(Arc::new(WaitForJoinFilters))
         .with_physical_optimizer_rule(Arc::new(crate::PushStarJoinToStorage))
-        .with_physical_optimizer_rule(Arc::new(crate::SpillHashJoins))
+        // Before SpillHashJoins: it traces group keys through the joins.
         .with_physical_optimizer_rule(Arc::new(crate::DenseAggregates))
+        .with_physical_optimizer_rule(Arc::new(crate::SpillHashJoins))
         .with_physical_optimizer_rule(Arc::new(StartScansEarly))
         .with_query_planner(Arc::new(crate::memory::ReleaseMemoryPlanner))
         .build();
