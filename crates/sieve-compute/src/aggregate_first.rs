@@ -298,7 +298,14 @@ fn rewrite(aggregate: &Aggregate, alias: impl Fn() -> String) -> Result<Option<L
     for index in 0..aggregate.schema.fields().len() {
         let (qualifier, field) = aggregate.schema.qualified_field(index);
         let value = if index < groups.len() {
-            groups[index].clone()
+            // A row's value, not the aggregation's: as DataFusion's
+            // GROUP BY gives it (-0.0 as 0.0).
+            let Some(value) =
+                crate::signed_zero::group_value(groups[index].clone(), field.data_type())
+            else {
+                return Ok(None);
+            };
+            value
         } else {
             let position = index - groups.len();
             let value = column_at(many_keys.len() + position);

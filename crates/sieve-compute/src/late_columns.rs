@@ -268,7 +268,13 @@ fn rewrite_aggregate(
             .iter()
             .filter(|&&index| variable_width(aggregate.schema.field(index).data_type()))
             .count();
-        if widths == 0 {
+        // A list or struct of floats: its zeros are the aggregation's to
+        // fold (`group_value`).
+        if widths == 0
+            || moved.iter().any(|&index| {
+                crate::signed_zero::floats_inside(aggregate.schema.field(index).data_type())
+            })
+        {
             continue;
         }
         if best
@@ -342,10 +348,16 @@ fn build(aggregate: &Aggregate, candidate: &Candidate, alias: &str) -> Result<Lo
         let (qualifier, field) = aggregate.schema.qualified_field(index);
         let expr = if index < groups.len() {
             match candidate.moved.iter().position(|&moved| moved == index) {
-                Some(at) => Expr::Column(Column::new(
-                    Some(table.clone()),
-                    table_schema.field(moved_columns[at]).name(),
-                ))
+                // A row's value, not the aggregation's: as DataFusion's
+                // GROUP BY gives it (-0.0 as 0.0).
+                Some(at) => crate::signed_zero::group_value(
+                    Expr::Column(Column::new(
+                        Some(table.clone()),
+                        table_schema.field(moved_columns[at]).name(),
+                    )),
+                    field.data_type(),
+                )
+                .expect("moved columns hold no floats inside")
                 .alias_qualified(qualifier.cloned(), field.name()),
                 None => {
                     let position = kept.iter().position(|&kept| kept == index).expect("kept");

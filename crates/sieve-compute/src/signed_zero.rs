@@ -24,17 +24,23 @@
 //! 1.0, 5.0, 6.0, 7.0)` did not. [`FloatInListsMatchBothZeros`] (a logical
 //! rule, after DataFusion's) gives a float IN list holding one zero the
 //! other one too, so that `x IN (...)` is `x = ... OR ...` for every list.
+//!
+//! DataFusion 55's GROUP BY puts -0.0 and 0.0 in one group and gives its
+//! key as 0.0. Sieve's rewrites that take a group column's value from a
+//! table row instead of from the aggregation (an aggregation before a join,
+//! group columns joined late) pass it through [`group_value`], which does
+//! the same.
 
 use std::fmt;
 use std::sync::Arc;
 
-use arrow::datatypes::Schema;
+use arrow::datatypes::{DataType, Schema};
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::{internal_err, JoinSide, JoinType, Result, ScalarValue, Statistics};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::expr::InList;
-use datafusion::logical_expr::{lit, Expr, LogicalPlan, Operator};
+use datafusion::logical_expr::{lit, when, Expr, LogicalPlan, Operator};
 use datafusion::optimizer::{OptimizerConfig, OptimizerRule};
 use datafusion::physical_expr::equivalence::{join_equivalence_properties, ProjectionMapping};
 use datafusion::physical_expr::expressions::{BinaryExpr, Literal};
@@ -120,6 +126,48 @@ fn with_both_zeros(expr: Expr) -> Result<Transformed<Expr>> {
     } else {
         Transformed::no(expr)
     })
+}
+
+/// A group column's value `expr` of type `data_type` as DataFusion's
+/// GROUP BY gives it: a float's -0.0 as 0.0 (`CASE WHEN x = 0 THEN 0 ELSE
+/// x END`: `=` holds for both zeros; NULL and NaN stay as they are). `None`
+/// for a type holding floats inside (a list, struct, map or dictionary of
+/// floats), which DataFusion canonicalizes too and an expression here
+/// cannot: the caller leaves its plan as it is.
+pub(crate) fn group_value(expr: Expr, data_type: &DataType) -> Option<Expr> {
+    if !data_type.is_floating() {
+        return (!floats_inside(data_type)).then_some(expr);
+    }
+    let zero = ScalarValue::new_zero(data_type).ok()?;
+    when(expr.clone().eq(lit(zero.clone())), lit(zero))
+        .otherwise(expr)
+        .ok()
+}
+
+/// Whether `data_type` holds floats inside (not a float itself): a group
+/// column [`group_value`] cannot give as DataFusion's GROUP BY does.
+pub(crate) fn floats_inside(data_type: &DataType) -> bool {
+    !data_type.is_floating() && holds_floats(data_type)
+}
+
+/// Whether values of `data_type` hold floats anywhere.
+fn holds_floats(data_type: &DataType) -> bool {
+    match data_type {
+        DataType::Float16 | DataType::Float32 | DataType::Float64 => true,
+        DataType::List(field)
+        | DataType::LargeList(field)
+        | DataType::ListView(field)
+        | DataType::LargeListView(field)
+        | DataType::FixedSizeList(field, _)
+        | DataType::Map(field, _) => holds_floats(field.data_type()),
+        DataType::Struct(fields) => fields.iter().any(|field| holds_floats(field.data_type())),
+        DataType::Union(fields, _) => fields
+            .iter()
+            .any(|(_, field)| holds_floats(field.data_type())),
+        DataType::Dictionary(_, value) => holds_floats(value),
+        DataType::RunEndEncoded(_, values) => holds_floats(values.data_type()),
+        _ => false,
+    }
 }
 
 /// Wraps the filters and inner hash and sort-merge joins whose float equalities DataFusion
@@ -415,5 +463,64 @@ impl ExecutionPlan for FloatEqualityExec {
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
         self.input.execute(partition, context)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow::array::{ArrayRef, Float64Array};
+    use arrow::datatypes::{DataType, Field, Fields};
+    use arrow::record_batch::RecordBatch;
+    use datafusion::logical_expr::col;
+    use datafusion::prelude::SessionContext;
+
+    use super::{floats_inside, group_value};
+
+    #[test]
+    fn floats_inside_lists_structs_and_dictionaries_are_told() {
+        let float = Arc::new(Field::new("item", DataType::Float64, true));
+        assert!(floats_inside(&DataType::List(float.clone())));
+        assert!(floats_inside(&DataType::Struct(Fields::from(vec![
+            Field::new("a", DataType::Int64, true),
+            Field::new("b", DataType::Float32, true),
+        ]))));
+        assert!(floats_inside(&DataType::Dictionary(
+            Box::new(DataType::Int32),
+            Box::new(DataType::Float16)
+        )));
+        assert!(!floats_inside(&DataType::Float64));
+        assert!(!floats_inside(&DataType::List(Arc::new(Field::new(
+            "item",
+            DataType::Int64,
+            true
+        )))));
+        assert!(group_value(col("x"), &DataType::List(float)).is_none());
+        assert_eq!(group_value(col("x"), &DataType::Utf8), Some(col("x")));
+    }
+
+    #[tokio::test]
+    async fn a_group_value_folds_negative_zero_and_keeps_nulls_and_nans() {
+        let context = SessionContext::new();
+        let values = [Some(-0.0), Some(0.0), None, Some(f64::NAN), Some(-1.5)];
+        for data_type in [DataType::Float64, DataType::Float32] {
+            let doubles: ArrayRef = Arc::new(Float64Array::from(values.to_vec()));
+            let x = arrow::compute::cast(&doubles, &data_type).unwrap();
+            let frame = context
+                .read_batch(RecordBatch::try_from_iter(vec![("x", x)]).unwrap())
+                .unwrap();
+            let folded = group_value(col("x"), &data_type).unwrap();
+            let batches = frame.select(vec![folded]).unwrap().collect().await.unwrap();
+            let column = arrow::compute::cast(batches[0].column(0), &DataType::Float64).unwrap();
+            let column = column.as_any().downcast_ref::<Float64Array>().unwrap();
+            let bits: Vec<Option<u64>> = column.iter().map(|v| v.map(f64::to_bits)).collect();
+            let expected: Vec<Option<u64>> =
+                [Some(0.0), Some(0.0), None, Some(f64::NAN), Some(-1.5)]
+                    .iter()
+                    .map(|v| v.map(f64::to_bits))
+                    .collect();
+            assert_eq!(bits, expected, "{data_type}");
+        }
     }
 }

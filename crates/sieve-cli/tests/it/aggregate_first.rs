@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, Float64Array, Int64Array, StringArray};
+use arrow::array::{ArrayRef, Float32Array, Float64Array, Int64Array, StringArray};
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow::record_batch::RecordBatch;
 use datafusion::prelude::SessionContext;
@@ -27,6 +27,8 @@ fn parents(keys: impl Iterator<Item = Option<i64>>) -> RecordBatch {
             Field::new("k", DataType::Int64, true),
             Field::new("g", DataType::Int64, false),
             Field::new("name", DataType::Utf8, false),
+            Field::new("pf", DataType::Float64, true),
+            Field::new("ph", DataType::Float32, true),
         ])),
         vec![
             Arc::new(Int64Array::from(keys.clone())) as ArrayRef,
@@ -35,6 +37,13 @@ fn parents(keys: impl Iterator<Item = Option<i64>>) -> RecordBatch {
             )),
             Arc::new(StringArray::from_iter_values(
                 (0..keys.len()).map(|i| format!("P{i}")),
+            )),
+            // Both zeros, which DataFusion's GROUP BY gives as 0.0.
+            Arc::new(Float64Array::from_iter(
+                (0..keys.len()).map(|i| [Some(-0.0), Some(0.0), Some(1.5), None][i % 4]),
+            )),
+            Arc::new(Float32Array::from_iter(
+                (0..keys.len()).map(|i| [Some(0.0), Some(-0.0), Some(f32::NAN)][i % 3]),
             )),
         ],
     )
@@ -112,6 +121,9 @@ const TAKEN: &[&str] = &[
      ON p.k = c.pk WHERE p.g < 5 GROUP BY p.g, p.k, p.name",
     "SELECT p.k, p.g, sum(c.v * 2 + 1) AS s, count(*) FROM child c JOIN {p} p \
      ON c.pk = p.k WHERE c.v > 100 AND p.k % 3 = 0 GROUP BY p.k, p.g HAVING count(*) > 1",
+    // Float group columns of the parent, with both zeros.
+    "SELECT p.pf, p.k, p.ph, count(c.id), sum(c.v) FROM {p} p LEFT JOIN child c \
+     ON p.k = c.pk GROUP BY p.pf, p.k, p.ph",
     // The parent under a subquery alias, renamed.
     "SELECT x.id, count(c.v) FROM (SELECT k AS id, g FROM {p} WHERE g <> 2) x \
      LEFT JOIN child c ON x.id = c.pk GROUP BY x.id",

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, Int64Array, StringArray};
+use arrow::array::{ArrayRef, Float64Array, Int64Array, StringArray};
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow::record_batch::RecordBatch;
 use datafusion::prelude::SessionContext;
@@ -26,6 +26,7 @@ fn customers(keys: impl Iterator<Item = Option<i64>>) -> RecordBatch {
             Field::new("name", DataType::Utf8, false),
             Field::new("nation", DataType::Int64, false),
             Field::new("note", DataType::Utf8, true),
+            Field::new("bal", DataType::Float64, true),
         ])),
         vec![
             Arc::new(Int64Array::from(keys.clone())) as ArrayRef,
@@ -38,6 +39,10 @@ fn customers(keys: impl Iterator<Item = Option<i64>>) -> RecordBatch {
             Arc::new(StringArray::from_iter((0..keys.len()).map(|i| {
                 (i % 9 != 0).then(|| format!("note {} {}", i % 13, "x".repeat(i % 40)))
             }))),
+            // Both zeros, which DataFusion's GROUP BY gives as 0.0.
+            Arc::new(Float64Array::from_iter(
+                (0..keys.len()).map(|i| [Some(-0.0), Some(0.0), Some(-2.5), None][i % 4]),
+            )),
         ],
     )
     .unwrap()
@@ -103,6 +108,9 @@ const QUERIES: &[&str] = &[
      GROUP BY c.k, c.name",
     "SELECT c.k, c.name, sum(o.amount) AS revenue FROM {c} c JOIN ord o ON c.k = o.ck \
      GROUP BY c.k, c.name ORDER BY revenue, c.k DESC LIMIT 5 OFFSET 3",
+    // A float moved with the strings, with both zeros.
+    "SELECT c.k, c.name, c.bal, sum(o.amount) FROM {c} c JOIN ord o ON c.k = o.ck \
+     GROUP BY c.k, c.name, c.bal",
     // Renamed under a subquery alias.
     "SELECT x.id, x.label, sum(o.amount) FROM \
      (SELECT k AS id, name AS label FROM {c} WHERE nation > 1) x \
