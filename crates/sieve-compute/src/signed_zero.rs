@@ -481,7 +481,7 @@ mod tests {
     #[test]
     fn floats_inside_lists_structs_and_dictionaries_are_told() {
         let float = Arc::new(Field::new("item", DataType::Float64, true));
-        assert!(floats_inside(&DataType::List(float.clone())));
+        assert!(floats_inside(&DataType::List(Arc::clone(&float))));
         assert!(floats_inside(&DataType::Struct(Fields::from(vec![
             Field::new("a", DataType::Int64, true),
             Field::new("b", DataType::Float32, true),
