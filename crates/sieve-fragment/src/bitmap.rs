@@ -585,26 +585,6 @@ impl KeyBitmapExpr {
         let (base, bits, words) = (self.base, self.bits, self.words.as_slice());
         let matched = match &self.chunks {
             None => match self.prefilter() {
-                None if words.len() * 8 >= PREFILTER_FROM_BYTES => {
-                    // Past the cache, a probe waits on memory: ask for the
-                    // word of the value PREFETCH_AHEAD rows on, so that
-                    // many wait at once.
-                    let word_of = |value: i64| {
-                        let offset = value.wrapping_sub(base) as u64;
-                        (offset < bits).then_some((offset >> 6) as usize)
-                    };
-                    let contains = |value: i64| {
-                        word_of(value).is_some_and(|word| {
-                            let offset = value.wrapping_sub(base) as u64;
-                            words[word] >> (offset & 63) & 1 == 1
-                        })
-                    };
-                    collect_matches_prefetched(&values, contains, |value| {
-                        if let Some(word) = word_of(value) {
-                            prefetch(words, word);
-                        }
-                    })?
-                }
                 None => {
                     let contains = |value: i64| {
                         let offset = value.wrapping_sub(base) as u64;
@@ -675,47 +655,6 @@ fn collect_matches(values: &ArrayRef, contains: impl Fn(i64) -> bool) -> Result<
     Ok(matched)
 }
 
-/// Rows ahead whose bitmap word a probe asks for ([`prefetch`]): about as
-/// many memory reads as a core keeps waiting at once.
-const PREFETCH_AHEAD: usize = 32;
-
-/// [`collect_matches`], calling `ahead` with the value [`PREFETCH_AHEAD`]
-/// rows on before testing each row.
-fn collect_matches_prefetched(
-    values: &ArrayRef,
-    contains: impl Fn(i64) -> bool,
-    ahead: impl Fn(i64),
-) -> Result<BooleanBuffer> {
-    #[allow(clippy::unnecessary_cast)]
-    let matched = with_integer_keys!(values, keys => {
-        keys.iter().take(PREFETCH_AHEAD).for_each(|&key| ahead(key as i64));
-        BooleanBuffer::collect_bool(keys.len(), |index| {
-            if let Some(&key) = keys.get(index + PREFETCH_AHEAD) {
-                ahead(key as i64);
-            }
-            contains(keys[index] as i64)
-        })
-    }, else {
-        return internal_err!("key bitmap probed with values of type {}", values.data_type());
-    });
-    Ok(matched)
-}
-
-/// Asks the core to bring `words[word]` into its cache: a hint, which
-/// reads nothing the program sees and never faults.
-#[inline(always)]
-fn prefetch(words: &[u64], word: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(word) = words.get(word) {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // SAFETY: a prefetch of any address is defined and has no effect
-        // on the program's memory; this one is of a word of `words`.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(word).cast::<i8>()) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (words, word);
-}
-
 /// A Bloom filter over a bitmap's keys (their offsets from its base) that
 /// fits in a core's cache where the bitmap does not: each key sets three
 /// bits of one 64-bit word, so a probe reads one word. Probed first, it
@@ -723,8 +662,10 @@ fn prefetch(words: &[u64], word: usize) {
 /// answer stays the bitmap's, exact.
 #[derive(Debug)]
 struct Prefilter {
-    /// [`PREFILTER_BITS_PER_KEY`] bits per key, rounded up to a word.
+    /// A power of two of them.
     words: Vec<u64>,
+    /// `64 - log2(words.len())`: the hash's top bits pick the word.
+    shift: u32,
 }
 
 impl Prefilter {
@@ -737,16 +678,16 @@ impl Prefilter {
         }
         // Counted, not taken from the bitmap's `keys`, which a request states.
         let keys: usize = words.iter().map(|word| word.count_ones() as usize).sum();
-        // Sized to the keys, not rounded to a power of two: TPC-H Q8's
-        // 134 k part keys at SF 100 take 537 KB, which a core's cache
-        // keeps; rounded up to 1 MB the prefilter was a quarter of the
-        // 2.5 MB bitmap's size too many, and there was none.
-        let size = (keys * PREFILTER_BITS_PER_KEY).div_ceil(64).max(2);
+        let size = (keys * PREFILTER_BITS_PER_KEY)
+            .div_ceil(64)
+            .next_power_of_two()
+            .max(2);
         if size * PREFILTER_BITMAP_RATIO_MIN > words.len() {
             return None;
         }
         let mut prefilter = Self {
             words: vec![0; size],
+            shift: 64 - size.trailing_zeros(),
         };
         for (index, word) in words.iter().enumerate() {
             let mut rest = *word;
@@ -761,12 +702,10 @@ impl Prefilter {
     }
 
     /// The word and the bits of `offset`: two multiplicative hashes, whose
-    /// top bits are the well mixed ones; the first one's scaled to the
-    /// words (Lemire's multiply-shift, `hash * len >> 64`).
+    /// top bits are the well mixed ones.
     #[inline]
     fn place(&self, offset: u64) -> (usize, u64) {
-        let hash = offset.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let at = ((u128::from(hash) * self.words.len() as u128) >> 64) as u64;
+        let at = offset.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift;
         let bits = offset.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
         let mask = 1 << (bits >> 58) | 1 << (bits >> 52 & 63) | 1 << (bits >> 46 & 63);
         (at as usize, mask)
@@ -1013,14 +952,6 @@ mod tests {
             "the prefilter let {passed_others} of {others} other values through"
         );
 
-        // TPC-H Q8's part keys at SF 100: 134 k over 20 M values, one in
-        // 149, get a 537 KB prefilter (a power of two would be 1 MB, too
-        // large a share of the 2.5 MB bitmap).
-        let q8: ArrayRef = Arc::new(Int64Array::from_iter_values((0..134_258).map(|v| v * 149)));
-        let q8 = KeyBitmapExpr::try_new(column(), DataType::Int64, &q8).unwrap();
-        let q8_prefilter = q8.prefilter().expect("Q8's part keys have a prefilter");
-        assert_eq!(q8_prefilter.words.len(), (134_258 * 32usize).div_ceil(64));
-
         // Dense: one value in 16 is a key.
         let dense: ArrayRef = Arc::new(Int64Array::from_iter_values((0..200_000).map(|v| v * 16)));
         let dense = KeyBitmapExpr::try_new(column(), DataType::Int64, &dense).unwrap();
@@ -1032,64 +963,6 @@ mod tests {
         // Cut: its probes follow the key order.
         let window = bitmap.window(low, low + 1000);
         assert!(window.is_cut() && window.prefilter().is_none());
-    }
-
-    /// A large bitmap without a prefilter (its keys dense) is probed with
-    /// the words of rows ahead asked for: the answers stay exact, for
-    /// every integer type, NULLs and values beyond both ends, in batches
-    /// shorter and longer than the rows it looks ahead.
-    #[test]
-    fn a_large_dense_bitmap_probed_ahead_matches_exactly_the_keys() {
-        let keys: Vec<i64> = (0..700_000i64).map(|v| 3 + v * 13 + v % 5).collect();
-        let set: std::collections::HashSet<i64> = keys.iter().copied().collect();
-        let keys: ArrayRef = Arc::new(Int64Array::from(keys));
-        let bitmap = KeyBitmapExpr::try_new(column(), DataType::Int64, &keys).unwrap();
-        assert!(
-            bitmap.byte_len() >= PREFILTER_FROM_BYTES,
-            "{}",
-            bitmap.byte_len()
-        );
-        assert!(bitmap.prefilter().is_none());
-        let (low, high) = (bitmap.base(), bitmap.base() + bitmap.bits() as i64 - 1);
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
-        for rows in [1usize, PREFETCH_AHEAD - 1, PREFETCH_AHEAD, 5_000] {
-            let values: Vec<Option<i64>> = (0..rows)
-                .map(|row| match row % 7 {
-                    0 => None,
-                    1 => Some(low - 1 - (next() % 1_000) as i64),
-                    2 => Some(high + 1 + (next() % 1_000) as i64),
-                    3 => Some(i64::MIN),
-                    _ => Some(low + (next() % bitmap.bits()) as i64),
-                })
-                .collect();
-            for data_type in [DataType::Int64, DataType::Int32, DataType::UInt64] {
-                let probe: ArrayRef = Arc::new(Int64Array::from(values.clone()));
-                let probe = match cast(&probe, &data_type) {
-                    Ok(probe) => probe,
-                    Err(_) => continue,
-                };
-                let matched = bitmap.probe(&probe).unwrap();
-                for (index, value) in values.iter().enumerate() {
-                    // A cast of an out-of-range value is NULL.
-                    if probe.is_null(index) {
-                        assert!(matched.is_null(index));
-                        continue;
-                    }
-                    let value = value.unwrap();
-                    assert_eq!(
-                        matched.value(index),
-                        set.contains(&value),
-                        "{value} as {data_type}"
-                    );
-                }
-            }
-        }
     }
 
     /// A bitmap travels as one zstd frame and comes back whole or cut,
