@@ -96,6 +96,15 @@ extensions_options! {
         /// columns of that table of variable width, and join those columns
         /// back after the aggregation (TPC-H Q10's customer strings).
         pub late_group_columns: bool, default = true
+        /// Group by a table's unique integer key first where a grouping
+        /// over joins takes columns of that table of variable width but
+        /// not the key, join those columns back, and group by them after
+        /// (`count`, `sum`, `min` and `max` only; TPC-H Q21's supplier
+        /// names carried through three joins of lineitem).
+        pub group_by_table_key: bool, default = true
+        /// Most rows the table of `group_by_table_key` may have: its key
+        /// is the first aggregation's groups and the table is read again.
+        pub group_by_table_key_rows_max: usize, default = 2_097_152
         /// Aggregate a join's many side before the join where each group
         /// is one row of its other side (a unique key of that table among
         /// the grouping columns; TPC-H Q13's orders counted per customer).

@@ -98,22 +98,27 @@ const LATE_PREFIX: &str = "__sieve_late";
 
 /// A grouping column followed down to the table scan it comes from.
 #[derive(Debug, Clone)]
-struct Traced {
+pub(crate) struct Traced {
     /// Child indices from the aggregation's input to the scan: equal paths,
     /// the same scan.
-    path: Vec<usize>,
-    scan: TableScan,
+    pub(crate) path: Vec<usize>,
+    pub(crate) scan: TableScan,
     /// The column's index in the table's schema.
-    table_column: usize,
+    pub(crate) table_column: usize,
     /// Whether an outer join may have padded the scan's side with NULLs.
-    padded: bool,
+    pub(crate) padded: bool,
 }
 
 /// The column at `index` of `plan`'s output, followed to the table scan
 /// whose value it is unchanged; `None` through anything that computes,
 /// aggregates or combines rows (only filters, sorts, limits, renames and
 /// joins pass).
-fn trace(plan: &LogicalPlan, index: usize, path: &mut Vec<usize>, padded: bool) -> Option<Traced> {
+pub(crate) fn trace(
+    plan: &LogicalPlan,
+    index: usize,
+    path: &mut Vec<usize>,
+    padded: bool,
+) -> Option<Traced> {
     match plan {
         LogicalPlan::TableScan(scan) => {
             let table_column = match &scan.projection {
@@ -194,7 +199,7 @@ pub(crate) fn unique_columns(scan: &TableScan) -> Vec<usize> {
     }
 }
 
-fn variable_width(data_type: &DataType) -> bool {
+pub(crate) fn variable_width(data_type: &DataType) -> bool {
     matches!(
         data_type,
         DataType::Utf8

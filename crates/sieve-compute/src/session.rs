@@ -239,9 +239,12 @@ pub async fn connect_session_with_tables(
 /// DataFusion's logical optimizer rules, with `SingleDistinctToGroupBy`
 /// replaced by [`crate::CountDistinctBySets`] (which delegates to it).
 fn optimizer_rules_with_distinct_sets() -> Vec<Arc<dyn OptimizerRule + Send + Sync>> {
-    Optimizer::new()
-        .rules
-        .into_iter()
+    // First: it needs the table's key in the aggregation's input, which
+    // DataFusion's projection pruning takes out when the query does not
+    // name it.
+    let first: Arc<dyn OptimizerRule + Send + Sync> = Arc::new(crate::GroupByTableKey);
+    std::iter::once(first)
+        .chain(Optimizer::new().rules)
         .map(|rule| {
             if rule.name() == crate::CountDistinctBySets::REPLACES {
                 Arc::new(crate::CountDistinctBySets::default()) as _

@@ -33,6 +33,7 @@ mod full_disk;
 mod fuzz;
 mod fuzz_regressions;
 mod gen;
+mod group_by_key;
 mod hostile_requests;
 mod integrity;
 mod join_filter_registry;

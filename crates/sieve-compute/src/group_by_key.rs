@@ -1,0 +1,314 @@
+//! Group by a table's key first and by its wide columns after the join
+//! back (eager aggregation over a key that decides the grouped columns).
+//!
+//! TPC-H Q21 counts, per supplier name, the late lineitems of Saudi
+//! suppliers: `GROUP BY s_name` over supplier, lineitem (three times) and
+//! orders. The 25-byte name rides with every lineitem row through three
+//! joins on `l_orderkey`: at SF 100 about half of each of their build
+//! sides (1.2 GB, 547 MB and 494 MB, all three spilled). The supplier's key
+//! decides its name, so [`GroupByTableKey`] rewrites
+//!
+//! ```text
+//!   Aggregate(group by G..., T.name..; f(x)...)      T.key unique in T
+//!     input (joins; T.key, T.name.. columns of one scan of T)
+//! =>
+//!   Projection(G..., T.name.., cast(f'(a) as f's type)...)
+//!     Aggregate(group by G..., late.name..; f'(a)...)
+//!       Join(first, late, on first.key = late.key; left if T's side is padded)
+//!         first: Aggregate(group by G..., T.key; f(x) as a...)   over input
+//!         late: Scan(T: key, name..)
+//! ```
+//!
+//! where `f'` is `sum` for `count` and `sum`, and `min`/`max` for
+//! themselves.
+//!
+//! Why the answer is the same: every input row took `T.key` and
+//! `T.name..` from one row of `T`, and `T.key` is unique and never NULL in
+//! `T`, so rows with the same key have the same names: the first
+//! aggregation's groups split the original ones and never mix two. Joining
+//! `T` again on the key finds that one row (NULL-padded rows have a NULL
+//! key and names, and the left join keeps them so). The second aggregation
+//! merges the split groups: a sum of counts or of sums is the count or sum
+//! (cast back to the type the query had, which the sum widened), the
+//! minimum of minimums the minimum. Two rows of `T` with equal names stay
+//! one group, as they were.
+//!
+//! Taken with NDP on (`sieve.group_by_table_key`) where the grouped
+//! columns of `T` include one of variable width and not the key, where
+//! the key is in the aggregation's input (the rule runs first among the
+//! optimizer's rules, before columns are pruned), where the input has a
+//! join to carry the names through, and where `T` has at most
+//! `sieve.group_by_table_key_rows_max` rows.
+
+use std::sync::Arc;
+
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::common::{Column, Result, TableReference};
+use datafusion::datasource::source_as_provider;
+use datafusion::logical_expr::expr::{AggregateFunction, Alias};
+use datafusion::logical_expr::{
+    cast, Aggregate, Expr, ExprSchemable, JoinType, LogicalPlan, LogicalPlanBuilder, Projection,
+};
+use datafusion::optimizer::optimizer::ApplyOrder;
+use datafusion::optimizer::{OptimizerConfig, OptimizerRule};
+
+use crate::late_columns::{trace, unique_columns, variable_width, Traced};
+use crate::{NdpMode, SieveConfig};
+
+/// Groups by a table's key first and by its wide columns after (see the
+/// module documentation).
+#[derive(Debug, Default)]
+pub struct GroupByTableKey;
+
+/// Prefix of the names of the tables joined again.
+const PREFIX: &str = "__sieve_keyed";
+
+impl OptimizerRule for GroupByTableKey {
+    fn name(&self) -> &str {
+        "sieve_group_by_table_key"
+    }
+
+    fn apply_order(&self) -> Option<ApplyOrder> {
+        Some(ApplyOrder::TopDown)
+    }
+
+    fn supports_rewrite(&self) -> bool {
+        true
+    }
+
+    fn rewrite(
+        &self,
+        plan: LogicalPlan,
+        config: &dyn OptimizerConfig,
+    ) -> Result<Transformed<LogicalPlan>> {
+        let LogicalPlan::Aggregate(aggregate) = &plan else {
+            return Ok(Transformed::no(plan));
+        };
+        let options = config.options();
+        let settings = SieveConfig::of(&options);
+        if !settings.group_by_table_key || settings.mode()? == NdpMode::Off {
+            return Ok(Transformed::no(plan));
+        }
+        let rows_max = settings.group_by_table_key_rows_max;
+        // A plan this rule cannot rebuild is planned as it was: the rule
+        // is an optimization, never a reason for a query to fail.
+        match rewrite(aggregate, rows_max, || {
+            config.alias_generator().next(PREFIX)
+        }) {
+            Ok(Some(rewritten)) => Ok(Transformed::yes(rewritten)),
+            Ok(None) => Ok(Transformed::no(plan)),
+            Err(error) => {
+                log::debug!("{}: plan kept as it was: {error}", self.name());
+                Ok(Transformed::no(plan))
+            }
+        }
+    }
+}
+
+/// The second aggregation's function over the first one's result.
+fn merged_by(function: &str, distinct: bool) -> Option<&'static str> {
+    match (function, distinct) {
+        ("count", false) | ("sum", false) => Some("sum"),
+        ("min", _) => Some("min"),
+        ("max", _) => Some("max"),
+        _ => None,
+    }
+}
+
+fn rewrite(
+    aggregate: &Aggregate,
+    rows_max: usize,
+    alias: impl Fn() -> String,
+) -> Result<Option<LogicalPlan>> {
+    let groups = &aggregate.group_expr;
+    let input = aggregate.input.as_ref();
+    if groups.is_empty() || aggregate.aggr_expr.is_empty() {
+        return Ok(None);
+    }
+    // Names carried through at least one join.
+    let mut joins = false;
+    input.apply(|node| {
+        joins = matches!(node, LogicalPlan::Join(_));
+        Ok(if joins {
+            TreeNodeRecursion::Stop
+        } else {
+            TreeNodeRecursion::Continue
+        })
+    })?;
+    if !joins {
+        return Ok(None);
+    }
+    // Every aggregate one the second aggregation can merge.
+    let mut merges = Vec::with_capacity(aggregate.aggr_expr.len());
+    for expr in &aggregate.aggr_expr {
+        let inner = match expr {
+            Expr::Alias(Alias { expr, .. }) => expr.as_ref(),
+            other => other,
+        };
+        let Expr::AggregateFunction(AggregateFunction { func, params }) = inner else {
+            return Ok(None);
+        };
+        if params.filter.is_some() || !params.order_by.is_empty() {
+            return Ok(None);
+        }
+        let Some(merge) = merged_by(func.name(), params.distinct) else {
+            return Ok(None);
+        };
+        merges.push(merge);
+    }
+    let traced: Vec<Option<Traced>> = groups
+        .iter()
+        .map(|expr| match expr {
+            Expr::Column(column) => {
+                let index = input.schema().index_of_column(column).ok()?;
+                trace(input, index, &mut vec![], false)
+            }
+            _ => None,
+        })
+        .collect();
+    // A scan some grouped column of variable width comes from, with a
+    // unique integer key in the input that is not grouped.
+    let Some((key_index, key_traced)) = traced.iter().enumerate().find_map(|(index, wide)| {
+        let wide = wide.as_ref()?;
+        if !variable_width(aggregate.schema.field(index).data_type())
+            || wide.scan.table_name.table().starts_with(PREFIX)
+        {
+            return None;
+        }
+        let unique = unique_columns(&wide.scan);
+        // The key grouped already: `JoinGroupColumnsLate`'s case.
+        if traced
+            .iter()
+            .flatten()
+            .any(|other| other.path == wide.path && unique.contains(&other.table_column))
+        {
+            return None;
+        }
+        (0..input.schema().fields().len()).find_map(|index| {
+            if !input.schema().field(index).data_type().is_integer() {
+                return None;
+            }
+            let key = trace(input, index, &mut vec![], false)?;
+            (key.path == wide.path && unique.contains(&key.table_column)).then_some((index, key))
+        })
+    }) else {
+        return Ok(None);
+    };
+    let provider = source_as_provider(&key_traced.scan.source)?;
+    let table_rows = provider
+        .statistics()
+        .and_then(|statistics| statistics.num_rows.get_value().copied());
+    if table_rows.is_none_or(|rows| rows > rows_max) {
+        return Ok(None);
+    }
+    // The grouped columns of that scan move after the join back.
+    let moved: Vec<Option<usize>> = traced
+        .iter()
+        .map(|traced| {
+            traced
+                .as_ref()
+                .filter(|traced| traced.path == key_traced.path)
+                .map(|traced| traced.table_column)
+        })
+        .collect();
+
+    // The first aggregation: the kept groups and the key.
+    let kept: Vec<Expr> = groups
+        .iter()
+        .zip(&moved)
+        .filter(|(_, moved)| moved.is_none())
+        .map(|(group, _)| group.clone())
+        .collect();
+    let key_expr = Expr::Column(Column::from(input.schema().qualified_field(key_index)));
+    let first = LogicalPlan::Aggregate(Aggregate::try_new(
+        Arc::clone(&aggregate.input),
+        kept.iter().cloned().chain([key_expr]).collect(),
+        aggregate.aggr_expr.clone(),
+    )?);
+    let first_schema = Arc::clone(first.schema());
+    let first_column =
+        |index: usize| Expr::Column(Column::from(first_schema.qualified_field(index)));
+
+    // The table again: its key and the moved columns.
+    let table_schema = key_traced.scan.source.schema();
+    let mut projection = vec![key_traced.table_column];
+    for &column in moved.iter().flatten() {
+        if !projection.contains(&column) {
+            projection.push(column);
+        }
+    }
+    let table = TableReference::bare(alias());
+    let late = LogicalPlanBuilder::scan(
+        table.clone(),
+        Arc::clone(&key_traced.scan.source),
+        Some(projection),
+    )?
+    .build()?;
+    let late_column = |column: usize| {
+        Expr::Column(Column::new(
+            Some(table.clone()),
+            table_schema.field(column).name(),
+        ))
+    };
+    let join_type = if key_traced.padded {
+        JoinType::Left
+    } else {
+        JoinType::Inner
+    };
+    let joined = LogicalPlanBuilder::from(first)
+        .join_on(
+            late,
+            join_type,
+            [first_column(kept.len()).eq(late_column(key_traced.table_column))],
+        )?
+        .build()?;
+
+    // The second aggregation, grouped as the query was.
+    let mut kept_at = 0;
+    let second_groups: Vec<Expr> = moved
+        .iter()
+        .map(|moved| match moved {
+            Some(column) => late_column(*column),
+            None => {
+                kept_at += 1;
+                first_column(kept_at - 1)
+            }
+        })
+        .collect();
+    let second_aggregates: Vec<Expr> = merges
+        .iter()
+        .enumerate()
+        .map(|(position, merge)| {
+            let value = first_column(kept.len() + 1 + position);
+            let function = match *merge {
+                "sum" => datafusion::functions_aggregate::expr_fn::sum(value),
+                "min" => datafusion::functions_aggregate::expr_fn::min(value),
+                _ => datafusion::functions_aggregate::expr_fn::max(value),
+            };
+            function.alias(format!("__sieve_merged_{position}"))
+        })
+        .collect();
+    let second = LogicalPlan::Aggregate(Aggregate::try_new(
+        Arc::new(joined),
+        second_groups,
+        second_aggregates,
+    )?);
+    let second_schema = Arc::clone(second.schema());
+
+    // The query's names and types.
+    let mut exprs = Vec::with_capacity(aggregate.schema.fields().len());
+    for index in 0..aggregate.schema.fields().len() {
+        let (qualifier, field) = aggregate.schema.qualified_field(index);
+        let value = Expr::Column(Column::from(second_schema.qualified_field(index)));
+        let value = if value.get_type(&second_schema)? == *field.data_type() {
+            value
+        } else {
+            cast(value, field.data_type().clone())
+        };
+        exprs.push(value.alias_qualified(qualifier.cloned(), field.name()));
+    }
+    Ok(Some(LogicalPlan::Projection(Projection::try_new(
+        exprs,
+        Arc::new(second),
+    )?)))
+}
