@@ -37,8 +37,12 @@
 //! columns of `T` include one of variable width and not the key, where
 //! the key is in the aggregation's input (the rule runs first among the
 //! optimizer's rules, before columns are pruned), where the input has a
-//! join to carry the names through, and where `T` has at most
-//! `sieve.group_by_table_key_rows_max` rows.
+//! join to carry the names through, where `T` has at most
+//! `sieve.group_by_table_key_rows_max` rows, and where the moved columns
+//! take about as many values as there are keys (at least one in two rows,
+//! from the slices' distinct counts): names, not a part's brand, whose
+//! 1,000 values over 800 k parts would make the first aggregation's groups
+//! hundreds of times the query's.
 
 use std::sync::Arc;
 
@@ -62,6 +66,10 @@ pub struct GroupByTableKey;
 
 /// Prefix of the names of the tables joined again.
 const PREFIX: &str = "__sieve_keyed";
+
+/// The moved columns must take at least one value in this many of the
+/// table's rows (estimated from the slices' distinct counts).
+const DISTINCT_SHARE_MIN: usize = 2;
 
 impl OptimizerRule for GroupByTableKey {
     fn name(&self) -> &str {
@@ -211,6 +219,21 @@ fn rewrite(
                 .map(|traced| traced.table_column)
         })
         .collect();
+
+    // Names nearly as many as the keys (a supplier's name), not a few
+    // values many keys share (a part's brand: 1,000 values over 800 k
+    // keys), whose first aggregation would hold far more groups than the
+    // query's.
+    let table_rows = table_rows.unwrap_or(0);
+    let distinct = moved
+        .iter()
+        .flatten()
+        .filter_map(|&column| crate::table::distinct_estimate_of(provider.as_ref(), column))
+        .max()
+        .unwrap_or(0);
+    if distinct.saturating_mul(DISTINCT_SHARE_MIN) < table_rows {
+        return Ok(None);
+    }
 
     // The first aggregation: the kept groups and the key.
     let kept: Vec<Expr> = groups

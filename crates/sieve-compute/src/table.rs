@@ -306,6 +306,19 @@ impl TableProvider for SieveTable {
 
 /// Unique, never-NULL columns of `provider` if it is one of Sieve's tables
 /// (discovered or owned), at the version it reads; none otherwise.
+/// Column `column`'s distinct values estimated from the slices' counts
+/// ([`ClusterTable::distinct_estimate`]), if `provider` is one of Sieve's
+/// tables and the counts are there.
+pub(crate) fn distinct_estimate_of(provider: &dyn TableProvider, column: usize) -> Option<usize> {
+    if let Some(table) = provider.downcast_ref::<SieveTable>() {
+        return table.table.distinct_estimate(column);
+    }
+    if let Some(table) = provider.downcast_ref::<crate::tables::OwnedTable>() {
+        return table.reader().table.distinct_estimate(column);
+    }
+    None
+}
+
 pub(crate) fn unique_columns_of(provider: &dyn TableProvider) -> Vec<usize> {
     if let Some(table) = provider.downcast_ref::<SieveTable>() {
         return table.unique_columns().to_vec();

@@ -29,6 +29,7 @@ fn suppliers(keys: impl Iterator<Item = Option<i64>>) -> RecordBatch {
             Field::new("name", DataType::Utf8, true),
             Field::new("nation", DataType::Int64, false),
             Field::new("rating", DataType::Float64, true),
+            Field::new("region", DataType::Utf8, false),
         ])),
         vec![
             Arc::new(Int64Array::from(keys.clone())) as ArrayRef,
@@ -45,6 +46,9 @@ fn suppliers(keys: impl Iterator<Item = Option<i64>>) -> RecordBatch {
             )),
             Arc::new(Float64Array::from_iter(
                 (0..keys.len()).map(|i| [Some(-0.0), Some(0.0), Some(2.5), None][i % 4]),
+            )),
+            Arc::new(StringArray::from_iter_values(
+                (0..keys.len()).map(|i| format!("region {}", i % 5)),
             )),
         ],
     )
@@ -142,6 +146,9 @@ const NOT_TAKEN: &[&str] = &[
     "SELECT s.name, count(DISTINCT i.qty) FROM {s} s JOIN items i ON s.k = i.sk GROUP BY s.name",
     // No join to carry the names through.
     "SELECT name, count(*) FROM {s} GROUP BY name",
+    // A few values many keys share: the first grouping would be far
+    // larger than the query's.
+    "SELECT s.region, count(*) FROM {s} s JOIN items i ON s.k = i.sk GROUP BY s.region",
     // Only fixed-width columns of the table grouped.
     "SELECT s.nation, count(*) FROM {s} s JOIN items i ON s.k = i.sk GROUP BY s.nation",
 ];
