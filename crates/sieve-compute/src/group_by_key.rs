@@ -174,66 +174,80 @@ fn rewrite(
             _ => None,
         })
         .collect();
+    // A unique key grouped (any table's): `JoinGroupColumnsLate`'s case,
+    // which groups by that key alone. Regrouped after, its other columns
+    // would be hashed again (TPC-H Q10's customer strings, 3.9 M groups
+    // at SF 100, grouped with the nation's name).
+    if traced
+        .iter()
+        .flatten()
+        .any(|traced| unique_columns(&traced.scan).contains(&traced.table_column))
+    {
+        return Ok(None);
+    }
     // A scan some grouped column of variable width comes from, with a
-    // unique integer key in the input that is not grouped.
-    let Some((key_index, key_traced)) = traced.iter().enumerate().find_map(|(index, wide)| {
-        let wide = wide.as_ref()?;
+    // unique integer key in the input that is not grouped, a table small
+    // enough, and moved columns that take about as many values as the
+    // keys; the first such scan.
+    let mut chosen = None;
+    for (index, wide) in traced.iter().enumerate() {
+        let Some(wide) = wide else {
+            continue;
+        };
         if !variable_width(aggregate.schema.field(index).data_type())
             || wide.scan.table_name.table().starts_with(PREFIX)
         {
-            return None;
+            continue;
         }
         let unique = unique_columns(&wide.scan);
-        // The key grouped already: `JoinGroupColumnsLate`'s case.
-        if traced
-            .iter()
-            .flatten()
-            .any(|other| other.path == wide.path && unique.contains(&other.table_column))
-        {
-            return None;
-        }
-        (0..input.schema().fields().len()).find_map(|index| {
+        let Some((key_index, key_traced)) = (0..input.schema().fields().len()).find_map(|index| {
             if !input.schema().field(index).data_type().is_integer() {
                 return None;
             }
             let key = trace(input, index, &mut vec![], false)?;
             (key.path == wide.path && unique.contains(&key.table_column)).then_some((index, key))
-        })
-    }) else {
+        }) else {
+            continue;
+        };
+        let provider = source_as_provider(&key_traced.scan.source)?;
+        let Some(table_rows) = provider
+            .statistics()
+            .and_then(|statistics| statistics.num_rows.get_value().copied())
+        else {
+            continue;
+        };
+        if table_rows > rows_max {
+            continue;
+        }
+        // The grouped columns of that scan move after the join back.
+        let moved: Vec<Option<usize>> = traced
+            .iter()
+            .map(|traced| {
+                traced
+                    .as_ref()
+                    .filter(|traced| traced.path == key_traced.path)
+                    .map(|traced| traced.table_column)
+            })
+            .collect();
+        // Names nearly as many as the keys (a supplier's name), not a few
+        // values many keys share (a part's brand: 1,000 values over 800 k
+        // keys), whose first aggregation would hold far more groups than
+        // the query's.
+        let distinct = moved
+            .iter()
+            .flatten()
+            .filter_map(|&column| crate::table::distinct_estimate_of(provider.as_ref(), column))
+            .max()
+            .unwrap_or(0);
+        if distinct.saturating_mul(DISTINCT_SHARE_MIN) < table_rows {
+            continue;
+        }
+        chosen = Some((key_index, key_traced, moved));
+        break;
+    }
+    let Some((key_index, key_traced, moved)) = chosen else {
         return Ok(None);
     };
-    let provider = source_as_provider(&key_traced.scan.source)?;
-    let table_rows = provider
-        .statistics()
-        .and_then(|statistics| statistics.num_rows.get_value().copied());
-    if table_rows.is_none_or(|rows| rows > rows_max) {
-        return Ok(None);
-    }
-    // The grouped columns of that scan move after the join back.
-    let moved: Vec<Option<usize>> = traced
-        .iter()
-        .map(|traced| {
-            traced
-                .as_ref()
-                .filter(|traced| traced.path == key_traced.path)
-                .map(|traced| traced.table_column)
-        })
-        .collect();
-
-    // Names nearly as many as the keys (a supplier's name), not a few
-    // values many keys share (a part's brand: 1,000 values over 800 k
-    // keys), whose first aggregation would hold far more groups than the
-    // query's.
-    let table_rows = table_rows.unwrap_or(0);
-    let distinct = moved
-        .iter()
-        .flatten()
-        .filter_map(|&column| crate::table::distinct_estimate_of(provider.as_ref(), column))
-        .max()
-        .unwrap_or(0);
-    if distinct.saturating_mul(DISTINCT_SHARE_MIN) < table_rows {
-        return Ok(None);
-    }
 
     // The first aggregation: the kept groups and the key.
     let kept: Vec<Expr> = groups

@@ -130,6 +130,9 @@ const TAKEN: &[&str] = &[
     // A float of the table grouped with the name: both zeros in one group.
     "SELECT s.rating, s.name, sum(i.qty) FROM items i JOIN {s} s ON s.k = i.sk \
      JOIN ords o ON o.ok = i.ok GROUP BY s.rating, s.name",
+    // Another table's column grouped that is not its key.
+    "SELECT i.ok, o.status, s.name, count(*) FROM {s} s JOIN items i ON s.k = i.sk \
+     JOIN ords o ON o.ok = i.ok GROUP BY i.ok, o.status, s.name",
     // The supplier side padded.
     "SELECT s.name, count(*), sum(i.qty) FROM items i LEFT JOIN {s} s ON s.k = i.sk \
      GROUP BY s.name",
@@ -141,6 +144,10 @@ const TAKEN: &[&str] = &[
 const NOT_TAKEN: &[&str] = &[
     // The key grouped: `late_group_columns`'s case.
     "SELECT s.k, s.name, count(*) FROM {s} s JOIN items i ON s.k = i.sk GROUP BY s.k, s.name",
+    // Another table's key grouped, its names grouped too: grouped by that
+    // key alone, the names joined after (TPC-H Q10 with the nation's name).
+    "SELECT o.ok, o.status, s.name, count(*) FROM {s} s JOIN items i ON s.k = i.sk \
+     JOIN ords o ON o.ok = i.ok GROUP BY o.ok, o.status, s.name",
     // An aggregate it cannot merge.
     "SELECT s.name, avg(i.qty) FROM {s} s JOIN items i ON s.k = i.sk GROUP BY s.name",
     "SELECT s.name, count(DISTINCT i.qty) FROM {s} s JOIN items i ON s.k = i.sk GROUP BY s.name",
