@@ -51,7 +51,8 @@ use datafusion::common::{Column, Result, TableReference};
 use datafusion::datasource::source_as_provider;
 use datafusion::logical_expr::expr::{AggregateFunction, Alias};
 use datafusion::logical_expr::{
-    cast, Aggregate, Expr, ExprSchemable, JoinType, LogicalPlan, LogicalPlanBuilder, Projection,
+    cast, Aggregate, AggregateUDF, Expr, ExprSchemable, JoinType, LogicalPlan, LogicalPlanBuilder,
+    Projection,
 };
 use datafusion::optimizer::optimizer::ApplyOrder;
 use datafusion::optimizer::{OptimizerConfig, OptimizerRule};
@@ -98,9 +99,14 @@ impl OptimizerRule for GroupByTableKey {
             return Ok(Transformed::no(plan));
         }
         let rows_max = settings.group_by_table_key_rows_max;
+        // The session's `sum` (Sieve's, checked for overflow), which adds
+        // the counts up.
+        let sum = config
+            .function_registry()
+            .and_then(|registry| registry.udaf("sum").ok());
         // A plan this rule cannot rebuild is planned as it was: the rule
         // is an optimization, never a reason for a query to fail.
-        match rewrite(aggregate, rows_max, || {
+        match rewrite(aggregate, rows_max, sum, || {
             config.alias_generator().next(PREFIX)
         }) {
             Ok(Some(rewritten)) => Ok(Transformed::yes(rewritten)),
@@ -113,12 +119,17 @@ impl OptimizerRule for GroupByTableKey {
     }
 }
 
-/// The second aggregation's function over the first one's result.
-fn merged_by(function: &str, distinct: bool) -> Option<&'static str> {
-    match (function, distinct) {
-        ("count", false) | ("sum", false) => Some("sum"),
-        ("min", _) => Some("min"),
-        ("max", _) => Some("max"),
+/// The second aggregation's function over the first one's result: the
+/// session's `sum` for a count, the aggregate's own function (the
+/// session's `sum`, `min` or `max`, which Sieve corrects) otherwise.
+fn merged_by(
+    func: &Arc<AggregateUDF>,
+    distinct: bool,
+    sum: Option<&Arc<AggregateUDF>>,
+) -> Option<Arc<AggregateUDF>> {
+    match (func.name(), distinct) {
+        ("count", false) => sum.cloned(),
+        ("sum", false) | ("min", _) | ("max", _) => Some(Arc::clone(func)),
         _ => None,
     }
 }
@@ -126,6 +137,7 @@ fn merged_by(function: &str, distinct: bool) -> Option<&'static str> {
 fn rewrite(
     aggregate: &Aggregate,
     rows_max: usize,
+    sum: Option<Arc<AggregateUDF>>,
     alias: impl Fn() -> String,
 ) -> Result<Option<LogicalPlan>> {
     let groups = &aggregate.group_expr;
@@ -159,7 +171,7 @@ fn rewrite(
         if params.filter.is_some() || !params.order_by.is_empty() {
             return Ok(None);
         }
-        let Some(merge) = merged_by(func.name(), params.distinct) else {
+        let Some(merge) = merged_by(func, params.distinct, sum.as_ref()) else {
             return Ok(None);
         };
         merges.push(merge);
@@ -317,12 +329,15 @@ fn rewrite(
         .enumerate()
         .map(|(position, merge)| {
             let value = first_column(kept.len() + 1 + position);
-            let function = match *merge {
-                "sum" => datafusion::functions_aggregate::expr_fn::sum(value),
-                "min" => datafusion::functions_aggregate::expr_fn::min(value),
-                _ => datafusion::functions_aggregate::expr_fn::max(value),
-            };
-            function.alias(format!("__sieve_merged_{position}"))
+            Expr::AggregateFunction(AggregateFunction::new_udf(
+                Arc::clone(merge),
+                vec![value],
+                false,
+                None,
+                vec![],
+                None,
+            ))
+            .alias(format!("__sieve_merged_{position}"))
         })
         .collect();
     let second = LogicalPlan::Aggregate(Aggregate::try_new(
