@@ -354,7 +354,7 @@ pub struct FuzzReport {
 
 /// Sieve's plan rewrites the fuzz report counts, each with the text its
 /// EXPLAIN shows for it.
-pub const PLAN_FEATURES: [(&str, &str); 11] = [
+pub const PLAN_FEATURES: [(&str, &str); 12] = [
     ("pushed filter", "pushed filter:"),
     ("sorted copy", "reads copy "),
     ("pushed aggregate", "pushed aggregate:"),
@@ -366,6 +366,7 @@ pub const PLAN_FEATURES: [(&str, &str); 11] = [
     ("evaluated on a build side", "__sieve_early"),
     ("wide join", "MergePartitionsExec"),
     ("aggregation by key value", "DenseAggregateExec"),
+    ("grouped by a table's key first", "__sieve_keyed"),
 ];
 
 impl FuzzReport {

@@ -83,11 +83,15 @@ async fn a_statement_takes_at_most_its_own_bound_of_the_sessions_pool() {
     let cluster = EmbeddedCluster::start(&root, NODES).await.unwrap();
     let session = cluster.session().await.unwrap();
     let reference = reference_context(&root, NODES).await.unwrap();
-    // The session's pool stays half the machine; each statement gets 36 MB
-    // of it (the fair shares of the test above).
+    // The session's pool stays half the machine; each statement gets 30 MB
+    // of it. At 36 MB, the pool of the test below, the sort query sometimes
+    // did not spill (a statement's spilling operator may take what the
+    // others' floors leave, and these rows fit in about 40 to 48 MB):
+    // 1 run in 12 with three runs at once, and once in a full suite (CI,
+    // 2026-11-29). At 30 MB: 20 runs of 20, sequential and three at once.
     session
         .apply_settings(&[
-            "sieve.query_memory_limit=36M".into(),
+            "sieve.query_memory_limit=30M".into(),
             "datafusion.execution.target_partitions=2".into(),
             "datafusion.execution.sort_spill_reservation_bytes=4194304".into(),
         ])
@@ -105,7 +109,7 @@ async fn a_statement_takes_at_most_its_own_bound_of_the_sessions_pool() {
             assert_eq!(actual, expected, "NDP {on}: {sql}");
             assert!(
                 spilled > 0,
-                "NDP {on}: nothing spilled under a 36 MB statement bound: {sql}"
+                "NDP {on}: nothing spilled under a 30 MB statement bound: {sql}"
             );
             // What the statement held was taken from the session's pool,
             // and is back.
