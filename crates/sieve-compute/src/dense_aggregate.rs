@@ -11,13 +11,21 @@
 //!
 //! [`DenseAggregates`] replaces a grouped `AggregateExec` (modes `Final`,
 //! `FinalPartitioned`, `Single` and `SinglePartitioned`) whose one group
-//! key is an integer column with a [`DenseAggregateExec`]. It indexes each
-//! group by its key's value (group index `key + 1`, index 0 for NULL) and
-//! runs DataFusion's own groups accumulators (the aggregate functions the
-//! plan has, with their filters) over those indexes, so a group costs its
-//! states' bytes and nothing else, and a row costs no hashing. At the end
-//! it evaluates the accumulators once and keeps the indexes it saw, in key
-//! order.
+//! key is an integer column with a [`DenseAggregateExec`]. It finds each
+//! row's group by its key's value (slot `key + 1`, slot 0 for NULL), in an
+//! array of group indexes by slot, and runs DataFusion's own groups
+//! accumulators (the aggregate functions the plan has, with their filters)
+//! over those indexes, so a group costs its states' bytes and four bytes a
+//! slot, and a row costs no hashing. At the end it evaluates the
+//! accumulators once and gives the groups in key order.
+//!
+//! Group indexes are numbered as groups first appear, as DataFusion's own
+//! aggregation numbers them, not by slot: its accumulators take every
+//! index below the groups they are told of as one a row has had. Its
+//! `NullState` marks all of them as holding a value after a batch without
+//! NULLs; indexed by slot, a key first met later with only NULL values
+//! was then given the accumulator's starting value (`min` gave
+//! 9223372036854775807 where the answer is NULL).
 //!
 //! It falls back to DataFusion's aggregation, with nothing lost, when a
 //! key is negative or past `sieve.dense_aggregate_bytes_max` worth of
@@ -36,8 +44,8 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use arrow::array::{ArrayRef, AsArray, BooleanArray, Int64Array, RecordBatch};
-use arrow::compute::{cast_with_options, filter, CastOptions};
+use arrow::array::{ArrayRef, AsArray, Int64Array, RecordBatch, UInt32Array};
+use arrow::compute::{cast_with_options, take, CastOptions};
 use arrow::datatypes::{DataType, Int64Type};
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::stats::Precision;
@@ -46,7 +54,6 @@ use datafusion::common::{internal_err, Result, ScalarValue, Statistics};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
-use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
@@ -211,7 +218,8 @@ fn dense_slot_bytes(aggregate: &AggregateExec) -> Result<Option<usize>> {
     if !key.data_type(&input_schema)?.is_integer() {
         return Ok(None);
     }
-    let mut slot_bytes = 1;
+    // The slot's group index, then each state.
+    let mut slot_bytes = 4;
     let mut state_columns = 0;
     for aggregate in aggregate.aggr_expr() {
         if !aggregate.groups_accumulator_supported()
@@ -399,12 +407,12 @@ impl ExecutionPlan for DenseAggregateExec {
             arguments,
             filters,
             accumulators,
-            expressions: aggregate.aggr_expr().to_vec(),
             raw_input,
             slots: 0,
             slots_max: self.slots_max,
             slot_bytes: self.slot_bytes,
-            seen: Vec::new(),
+            group_of_slot: Vec::new(),
+            groups: 0,
             indexes: Vec::new(),
             reservation,
         };
@@ -432,18 +440,21 @@ struct Groups {
     arguments: Vec<Vec<Arc<dyn PhysicalExpr>>>,
     filters: Vec<Option<Arc<dyn PhysicalExpr>>>,
     accumulators: Vec<Box<dyn GroupsAccumulator>>,
-    /// The aggregate functions, for fresh accumulators.
-    expressions: Vec<Arc<AggregateFunctionExpr>>,
     raw_input: bool,
-    /// Group indexes in use: the largest key seen plus two.
+    /// Slots in use: the largest key seen plus two.
     slots: usize,
     slots_max: usize,
     slot_bytes: usize,
-    /// A bit per group index: whether a row had it.
-    seen: Vec<u64>,
+    /// Per slot, the index of its group, [`NO_GROUP`] if no row had it.
+    group_of_slot: Vec<u32>,
+    /// Groups so far: the accumulators' group indexes are `0..groups`.
+    groups: usize,
     indexes: Vec<usize>,
     reservation: MemoryReservation,
 }
+
+/// A slot no row has had.
+const NO_GROUP: u32 = u32::MAX;
 
 /// Why the groups must fall back: a key is negative or past the groups
 /// allowed, or the memory pool refused the groups' memory.
@@ -499,14 +510,20 @@ impl Groups {
         keys: &arrow::array::PrimitiveArray<Int64Type>,
         slots: usize,
     ) -> Result<std::result::Result<(), Refusal>> {
-        self.indexes.clear();
-        self.indexes
-            .extend(keys.iter().map(|key| key.map_or(0, |key| key as usize + 1)));
-        self.seen.resize(slots.div_ceil(64), 0);
-        for &index in &self.indexes {
-            self.seen[index / 64] |= 1 << (index % 64);
-        }
+        self.group_of_slot.resize(slots, NO_GROUP);
         self.slots = slots;
+        self.indexes.clear();
+        for key in keys.iter() {
+            let slot = key.map_or(0, |key| key as usize + 1);
+            let group = &mut self.group_of_slot[slot];
+            if *group == NO_GROUP {
+                // At most `slots_max` groups, far below u32::MAX.
+                *group = self.groups as u32;
+                self.groups += 1;
+            }
+            self.indexes.push(*group as usize);
+        }
+        let groups = self.groups;
         for ((accumulator, arguments), filter) in self
             .accumulators
             .iter_mut()
@@ -526,13 +543,13 @@ impl Groups {
                     &values,
                     &self.indexes,
                     filter.as_ref().map(|filter| filter.as_boolean()),
-                    slots,
+                    groups,
                 )?;
             } else {
-                accumulator.merge_batch(&values, &self.indexes, slots)?;
+                accumulator.merge_batch(&values, &self.indexes, groups)?;
             }
         }
-        let held = self.seen.len() * 8
+        let held = self.group_of_slot.len() * 4
             + self
                 .accumulators
                 .iter()
@@ -545,49 +562,36 @@ impl Groups {
         Ok(Ok(()))
     }
 
-    /// Which group indexes a row had.
-    fn seen_mask(&self) -> BooleanArray {
-        (0..self.slots)
-            .map(|index| Some(self.seen[index / 64] & (1 << (index % 64)) != 0))
-            .collect()
+    /// The groups in key order: their group indexes and their keys (as
+    /// `key_type`, NULL first).
+    fn in_key_order(&self, key_type: &DataType) -> Result<(UInt32Array, ArrayRef)> {
+        let (order, keys): (Vec<u32>, Vec<Option<i64>>) = self
+            .group_of_slot
+            .iter()
+            .enumerate()
+            .filter(|(_, group)| **group != NO_GROUP)
+            .map(|(slot, group)| (*group, slot.checked_sub(1).map(|key| key as i64)))
+            .unzip();
+        let keys: ArrayRef = Arc::new(Int64Array::from(keys));
+        Ok((
+            UInt32Array::from(order),
+            cast_with_options(&keys, key_type, &CastOptions::default())?,
+        ))
     }
 
-    /// The keys of the group indexes seen, as `key_type`.
-    fn keys(&self, mask: &BooleanArray, key_type: &DataType) -> Result<ArrayRef> {
-        let keys: Int64Array = (0..self.slots)
-            .map(|index| index.checked_sub(1).map(|key| key as i64))
-            .collect();
-        let keys = filter(&keys, mask)?;
-        Ok(cast_with_options(&keys, key_type, &CastOptions::default())?)
-    }
-
-    /// The groups seen: their keys and the accumulators' final values
-    /// (`states` false) or states, in key order; the accumulators are
-    /// emptied.
-    ///
-    /// Final values are not evaluated over every group index: an index no
-    /// row had is a group no accumulator expects (DataFusion's decimal
-    /// `avg` divides by its count of zero, and panics). The states of the
-    /// groups seen are merged into fresh accumulators, as a final
-    /// aggregation merges partial ones, and those are evaluated.
+    /// The groups: their keys and the accumulators' final values (`states`
+    /// false) or states, in key order; the accumulators are emptied.
     fn emit(&mut self, key_type: &DataType, states: bool) -> Result<Vec<ArrayRef>> {
-        let mask = self.seen_mask();
-        let keys = self.keys(&mask, key_type)?;
-        let groups = keys.len();
-        let indexes: Vec<usize> = (0..groups).collect();
+        let (order, keys) = self.in_key_order(key_type)?;
         let mut columns = vec![keys];
-        for (accumulator, expression) in self.accumulators.iter_mut().zip(&self.expressions) {
-            let seen = accumulator
-                .state(EmitTo::All)?
-                .iter()
-                .map(|array| filter(array, &mask))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            if states {
-                columns.extend(seen);
+        for accumulator in &mut self.accumulators {
+            let arrays = if states {
+                accumulator.state(EmitTo::All)?
             } else {
-                let mut merged = expression.create_groups_accumulator()?;
-                merged.merge_batch(&seen, &indexes, groups)?;
-                columns.push(merged.evaluate(EmitTo::All)?);
+                vec![accumulator.evaluate(EmitTo::All)?]
+            };
+            for array in arrays {
+                columns.push(take(&array, &order, None)?);
             }
         }
         Ok(columns)
@@ -613,7 +617,7 @@ impl Run {
             let timer = self.baseline.elapsed_compute().timer();
             let added = self.groups.add(&batch)?;
             timer.done();
-            self.slots.set(self.groups.slots);
+            self.slots.set(self.groups.groups);
             match added {
                 Ok(()) => {}
                 Err(Refusal::BatchLeftOut) => return self.fall_back(Some(batch)),
@@ -622,7 +626,7 @@ impl Run {
         }
         let timer = self.baseline.elapsed_compute().timer();
         let schema = self.aggregate.schema();
-        let batches = if self.groups.slots == 0 {
+        let batches = if self.groups.groups == 0 {
             vec![]
         } else {
             let columns = self.groups.emit(schema.field(0).data_type(), false)?;
@@ -669,7 +673,7 @@ impl Run {
             rest
         };
         let states_schema = rest.schema();
-        let held = if self.groups.slots == 0 {
+        let held = if self.groups.groups == 0 {
             vec![]
         } else {
             let columns = self.groups.emit(states_schema.field(0).data_type(), true)?;
@@ -717,5 +721,125 @@ impl Run {
             }))
             .filter_map(futures::future::ready);
         Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::Int64Array;
+    use arrow::datatypes::{Field, Schema};
+    use datafusion::datasource::memory::MemorySourceConfig;
+    use datafusion::functions_aggregate::min_max::{max_udaf, min_udaf};
+    use datafusion::functions_aggregate::sum::sum_udaf;
+    use datafusion::physical_expr::aggregate::AggregateExprBuilder;
+    use datafusion::physical_expr::expressions::col;
+    use datafusion::physical_plan::aggregates::PhysicalGroupBy;
+    use datafusion::physical_plan::collect;
+    use datafusion::prelude::SessionContext;
+
+    /// Keys first met after a batch without NULLs, with only NULL values,
+    /// aggregate to NULL, as in DataFusion's own aggregation. DataFusion's
+    /// accumulators take every group index below the groups they are told
+    /// of as one a row has had, and after a batch without NULLs mark them
+    /// all as holding a value: indexed by key value, such a key's `min`
+    /// was the accumulator's starting value, i64::MAX.
+    #[tokio::test]
+    async fn keys_first_met_with_only_null_values_aggregate_to_null() {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Int64, false),
+            Field::new("v", DataType::Int64, true),
+        ]));
+        // The multiples of 3 up to 2997, no NULL; then keys one past a
+        // multiple of 3 (new) with NULL values only, and the old keys.
+        let first = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![
+                Arc::new(Int64Array::from_iter_values((0..1_000).map(|i| i * 3))),
+                Arc::new(Int64Array::from_iter_values((0..1_000).map(|i| i - 500))),
+            ],
+        )
+        .unwrap();
+        let second = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![
+                Arc::new(Int64Array::from_iter_values(
+                    (0..1_000).map(|i| i * 3 + i % 2),
+                )),
+                Arc::new(Int64Array::from_iter(
+                    (0..1_000).map(|i| (i % 2 == 0).then_some(i * 5)),
+                )),
+            ],
+        )
+        .unwrap();
+        let input =
+            MemorySourceConfig::try_new_exec(&[vec![first, second]], Arc::clone(&schema), None)
+                .unwrap();
+        let aggregates = [min_udaf(), max_udaf(), sum_udaf()]
+            .into_iter()
+            .map(|function| {
+                let name = format!("{}(v)", function.name());
+                AggregateExprBuilder::new(function, vec![col("v", &schema).unwrap()])
+                    .schema(Arc::clone(&schema))
+                    .alias(name)
+                    .build()
+                    .map(Arc::new)
+            })
+            .collect::<Result<Vec<_>>>()
+            .unwrap();
+        let aggregate = Arc::new(
+            AggregateExec::try_new(
+                AggregateMode::Single,
+                PhysicalGroupBy::new_single(vec![(col("k", &schema).unwrap(), "k".into())]),
+                aggregates.clone(),
+                vec![None; aggregates.len()],
+                input,
+                Arc::clone(&schema),
+            )
+            .unwrap(),
+        );
+        let slot_bytes = dense_slot_bytes(&aggregate).unwrap().expect("taken");
+        let dense: Arc<dyn ExecutionPlan> = Arc::new(DenseAggregateExec::new(
+            Arc::clone(&aggregate),
+            1 << 20,
+            slot_bytes,
+        ));
+        let context = SessionContext::new().task_ctx();
+        let rows = |batches: Vec<RecordBatch>| {
+            let mut rows: Vec<String> = arrow::util::pretty::pretty_format_batches(&batches)
+                .unwrap()
+                .to_string()
+                .lines()
+                .filter(|line| line.starts_with("| ") && !line.contains(" k "))
+                .map(str::to_string)
+                .collect();
+            rows.sort();
+            rows
+        };
+        let expected = rows(
+            collect(aggregate as Arc<dyn ExecutionPlan>, Arc::clone(&context))
+                .await
+                .unwrap(),
+        );
+        let actual = rows(collect(Arc::clone(&dense), context).await.unwrap());
+        assert_eq!(expected.len(), 1_500);
+        assert!(expected.iter().any(|row| row.contains("|        |")));
+        let differing: Vec<_> = actual
+            .iter()
+            .zip(&expected)
+            .filter(|(actual, expected)| actual != expected)
+            .take(5)
+            .collect();
+        assert!(
+            differing.is_empty() && actual.len() == expected.len(),
+            "(Sieve, DataFusion): {differing:?}"
+        );
+        assert_eq!(metric(&dense, "dense_fell_back"), 0);
+    }
+
+    fn metric(plan: &Arc<dyn ExecutionPlan>, name: &str) -> usize {
+        plan.metrics()
+            .and_then(|metrics| metrics.sum_by_name(name))
+            .map_or(0, |value| value.as_usize())
     }
 }
