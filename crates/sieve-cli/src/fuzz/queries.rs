@@ -32,7 +32,7 @@ use arrow::datatypes::DataType;
 use arrow::util::display::{ArrayFormatter, FormatOptions};
 
 use super::rng::SeededRandom;
-use super::tables::{ColumnSpec, FuzzSchema, FuzzTable};
+use super::tables::{ColumnSpec, FuzzSchema, FuzzTable, NAME_COLUMN};
 
 /// Upper bound on the estimated rows of a join's output, before any
 /// aggregation: past it one side is restricted by `id`. Ten thousand rows
@@ -77,6 +77,10 @@ pub enum QueryShape {
     Window,
     /// A recursive common table expression.
     RecursiveCte,
+    /// An aggregation over a join on a table's `id`, grouped by the
+    /// table's `name` and not by `id` (what Sieve's `GroupByTableKey`
+    /// groups by the key first).
+    KeyedGroup,
 }
 
 /// One generated query and how to compare its result.
@@ -196,7 +200,15 @@ const TEXT_LITERALS: [&str; 10] = [
 pub struct QueryGenerator<'schema> {
     schema: &'schema FuzzSchema,
     random: SeededRandom,
+    seed: u64,
 }
+
+/// Queries in a hundred of shape [`QueryShape::KeyedGroup`], drawn from a
+/// stream of their own so that a seed's other queries stay what they were.
+const KEYED_GROUP_PERCENT: u32 = 6;
+
+/// Mixed into a query's seed for that draw.
+const KEYED_GROUP_SEED: u64 = 0x6b65_7965_645f_6772;
 
 impl<'schema> QueryGenerator<'schema> {
     /// A generator for query `seed` over `schema`: the same seed and tables
@@ -205,11 +217,15 @@ impl<'schema> QueryGenerator<'schema> {
         Self {
             schema,
             random: SeededRandom::new(seed),
+            seed,
         }
     }
 
     /// One random query.
     pub fn query(&mut self) -> FuzzQuery {
+        if SeededRandom::new(self.seed ^ KEYED_GROUP_SEED).percent(KEYED_GROUP_PERCENT) {
+            return self.keyed_group();
+        }
         let shapes = [
             (QueryShape::Filter, 10),
             (QueryShape::TopN, 6),
@@ -241,6 +257,7 @@ impl<'schema> QueryGenerator<'schema> {
             QueryShape::ScalarSubquery => self.scalar_subquery(),
             QueryShape::Window => self.window(),
             QueryShape::RecursiveCte => self.recursive_cte(),
+            QueryShape::KeyedGroup => self.keyed_group(),
         }
     }
 
@@ -268,6 +285,7 @@ impl<'schema> QueryGenerator<'schema> {
             .columns
             .iter()
             .enumerate()
+            .filter(|(_, spec)| spec.name != NAME_COLUMN)
             .map(|(index, spec)| Column {
                 alias,
                 spec,
@@ -1107,6 +1125,114 @@ impl<'schema> QueryGenerator<'schema> {
             self.where_clause(&scope, 50)
         );
         query(sql, QueryShape::ThreeWayJoin, false, approximate)
+    }
+
+    /// `SELECT b.name[, ...], aggregates FROM a JOIN b ON <a's key> = b.id
+    /// ... GROUP BY b.name[, ...]`: `b.id` is unique and decides `b.name`,
+    /// some names are shared by several ids and some are NULL; inner and
+    /// outer joins (`b` NULL-padded or not), other grouping columns of
+    /// either side, and now and then what the rewrite must leave alone
+    /// (`b.id` grouped, `avg`, `count(DISTINCT)`).
+    fn keyed_group(&mut self) -> FuzzQuery {
+        let (fact, dimension) = self.two_tables();
+        let fact_scope = Self::columns(fact, ALIASES[0]);
+        let dimension_scope = Self::columns(dimension, ALIASES[1]);
+        let integer_keys: Vec<Column<'schema>> = Self::key_columns(&fact_scope)
+            .into_iter()
+            .filter(|column| column.category() == Category::Integer)
+            .collect();
+        // Each fact row matches at most one dimension row: the join is no
+        // larger than its sides.
+        let fact_key = match self.random.below(4) {
+            0 | 1 if !integer_keys.is_empty() => self.random.pick(&integer_keys).sql(),
+            2 => "a.id % 37 + 1".to_string(),
+            _ => "a.id".to_string(),
+        };
+        let join_type =
+            *self
+                .random
+                .pick(&["JOIN", "JOIN", "LEFT JOIN", "RIGHT JOIN", "FULL JOIN"]);
+        let from = format!(
+            "{} AS a {join_type} {} AS b ON {fact_key} = b.id",
+            fact.spec.name, dimension.spec.name
+        );
+        let mut groups = vec![format!("b.{NAME_COLUMN}")];
+        if self.random.percent(35) {
+            groups.extend(self.grouping(&fact_scope).into_iter().take(1));
+        }
+        if self.random.percent(25) {
+            let column = dimension_scope[self.random.below(dimension_scope.len())];
+            groups.push(column.sql());
+        }
+        if self.random.percent(10) {
+            groups.push("b.id".to_string());
+        }
+        let mut scope = fact_scope.clone();
+        scope.extend(dimension_scope.iter().copied());
+        let count = 1 + self.random.below(3);
+        let aggregates: Vec<Output> = (0..count)
+            .map(|_| {
+                if self.random.percent(25) {
+                    return self.aggregate_call(&scope);
+                }
+                self.mergeable_aggregate(&fact_scope)
+            })
+            .collect();
+        let (outputs, approximate) = outputs_after(&groups, &aggregates);
+        let mut sql = format!(
+            "SELECT {} FROM {from}{}",
+            select_list(&outputs),
+            self.where_clause(&scope, 40)
+        );
+        let _ = write!(sql, " GROUP BY {}", groups.join(", "));
+        let mut ordered = false;
+        if self.random.percent(20) {
+            let positions: Vec<String> = (1..=groups.len())
+                .map(|index| format!("{index} NULLS FIRST"))
+                .collect();
+            let _ = write!(
+                sql,
+                " ORDER BY {} LIMIT {}",
+                positions.join(", "),
+                self.random.between(1, LIMIT_MAX)
+            );
+            ordered = true;
+        }
+        query(sql, QueryShape::KeyedGroup, ordered, approximate)
+    }
+
+    /// `count`, `sum`, `min` or `max`: the aggregates a grouping by a key
+    /// first can merge.
+    fn mergeable_aggregate(&mut self, scope: &[Column<'schema>]) -> Output {
+        let numeric: Vec<Column<'schema>> = scope
+            .iter()
+            .filter(|column| {
+                matches!(
+                    column.category(),
+                    Category::Integer | Category::Decimal | Category::Float
+                )
+            })
+            .copied()
+            .collect();
+        match self.random.below(5) {
+            0 => Output::exact("count(*)".into()),
+            1 => {
+                let column = scope[self.random.below(scope.len())];
+                Output::exact(format!("count({})", column.sql()))
+            }
+            2 if !numeric.is_empty() => {
+                let column = *self.random.pick(&numeric);
+                Output {
+                    sql: format!("sum({})", column.sql()),
+                    approximate: column.category() == Category::Float,
+                }
+            }
+            _ => {
+                let function = *self.random.pick(&["min", "max"]);
+                let column = self.min_max_argument(scope);
+                Output::exact(format!("{function}({})", column.sql()))
+            }
+        }
     }
 
     /// Rows of `table` (its first ones, by id) such that no value of `key`

@@ -47,6 +47,15 @@ const SLICES_PER_TABLE_MAX: usize = 4;
 /// filter in every slice; the others do not, so both pruning paths run.
 pub const KEY_NAMES: [&str; 4] = ["k1", "k2", "fkey", "pkey"];
 
+/// A text column every table ends with: a name per row, most unique, some
+/// shared by several rows, some NULL (names as TPC-H's `s_name` or
+/// `c_name` are, one per key). Generated from its own random stream after
+/// the other columns, and left out of the scopes other query shapes draw
+/// from, so that the tables' other columns and the queries of those
+/// shapes stay what they were for a seed; `queries.rs` groups by it over
+/// joins on `id` (what `GroupByTableKey` rewrites).
+pub(super) const NAME_COLUMN: &str = "name";
+
 /// Largest value of a sparse key: wide enough that sparse keys rarely
 /// match, small enough for an `Int16` key column.
 const SPARSE_KEY_MAX: i64 = 30_000;
@@ -173,8 +182,16 @@ impl FuzzSchema {
         let table_count = 2 + random.below(3);
         let mut tables = Vec::with_capacity(table_count);
         for index in 0..table_count {
-            let spec = random_table_spec(&mut random, index, &key_types);
-            tables.push(fill_table(&mut random, spec)?);
+            let mut spec = random_table_spec(&mut random, index, &key_types);
+            spec.columns.push(ColumnSpec {
+                name: NAME_COLUMN.into(),
+                data_type: DataType::Utf8,
+                null_percent: NAME_NULL_PERCENT,
+                key: None,
+                special_floats: false,
+            });
+            let names_seed = SeededRandom::derive_seed(seed ^ NAMES_SEED, index as u64);
+            tables.push(fill_table(&mut random, spec, names_seed)?);
         }
         Ok(Self { seed, tables })
     }
@@ -271,6 +288,7 @@ impl FuzzSchema {
             let spec = &table.spec;
             let Some(column) = spec.columns.iter().rev().find(|column| {
                 column.name != "id"
+                    && column.name != NAME_COLUMN
                     && (column.data_type.is_integer()
                         || matches!(
                             column.data_type,
@@ -751,7 +769,37 @@ fn random_column(
     Ok((array, None))
 }
 
-fn fill_table(random: &mut SeededRandom, spec: TableSpec) -> Result<FuzzTable> {
+/// Rows in a hundred whose name is NULL.
+const NAME_NULL_PERCENT: u32 = 10;
+
+/// Rows in a hundred whose name is one of a few shared by many rows.
+const NAME_SHARED_PERCENT: u32 = 15;
+
+/// Mixed into the schema seed for the names' own random stream.
+const NAMES_SEED: u64 = 0x6e61_6d65_735f_7365;
+
+/// The [`NAME_COLUMN`] of a table whose ids are `ids`: `name-<id>` for most
+/// rows, one of `name-1` .. `name-5` (also some other row's own name) for
+/// [`NAME_SHARED_PERCENT`], NULL for [`NAME_NULL_PERCENT`].
+fn name_column(seed: u64, ids: &[i64]) -> ArrayRef {
+    let mut random = SeededRandom::new(seed);
+    let names: Vec<Option<String>> = ids
+        .iter()
+        .map(|id| {
+            let draw = random.below(100) as u32;
+            if draw < NAME_NULL_PERCENT {
+                None
+            } else if draw < NAME_NULL_PERCENT + NAME_SHARED_PERCENT {
+                Some(format!("name-{}", 1 + random.below(5)))
+            } else {
+                Some(format!("name-{id}"))
+            }
+        })
+        .collect();
+    Arc::new(StringArray::from(names))
+}
+
+fn fill_table(random: &mut SeededRandom, spec: TableSpec, names_seed: u64) -> Result<FuzzTable> {
     let rows = spec.rows();
     let mut ids: Vec<i64> = (1..=rows as i64).collect();
     if !spec.ids_sorted {
@@ -760,6 +808,10 @@ fn fill_table(random: &mut SeededRandom, spec: TableSpec) -> Result<FuzzTable> {
     let mut arrays = Vec::with_capacity(spec.columns.len());
     let mut key_values = BTreeMap::new();
     for column in &spec.columns {
+        if column.name == NAME_COLUMN {
+            arrays.push(name_column(names_seed, &ids));
+            continue;
+        }
         let (array, keys) = random_column(random, column, rows, &ids)?;
         arrays.push(array);
         if let Some(keys) = keys {
