@@ -17,7 +17,8 @@
 //! accumulators (the aggregate functions the plan has, with their filters)
 //! over those indexes, so a group costs its states' bytes and four bytes a
 //! slot, and a row costs no hashing. At the end it evaluates the
-//! accumulators once and gives the groups in key order.
+//! accumulators once and gives the groups in the order they first
+//! appeared.
 //!
 //! Group indexes are numbered as groups first appear, as DataFusion's own
 //! aggregation numbers them, not by slot: its accumulators take every
@@ -44,8 +45,8 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use arrow::array::{ArrayRef, AsArray, Int64Array, RecordBatch, UInt32Array};
-use arrow::compute::{cast_with_options, take, CastOptions};
+use arrow::array::{ArrayRef, AsArray, Int64Array, RecordBatch};
+use arrow::compute::{cast_with_options, CastOptions};
 use arrow::datatypes::{DataType, Int64Type};
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::stats::Precision;
@@ -562,36 +563,28 @@ impl Groups {
         Ok(Ok(()))
     }
 
-    /// The groups in key order: their group indexes and their keys (as
-    /// `key_type`, NULL first).
-    fn in_key_order(&self, key_type: &DataType) -> Result<(UInt32Array, ArrayRef)> {
-        let (order, keys): (Vec<u32>, Vec<Option<i64>>) = self
-            .group_of_slot
-            .iter()
-            .enumerate()
-            .filter(|(_, group)| **group != NO_GROUP)
-            .map(|(slot, group)| (*group, slot.checked_sub(1).map(|key| key as i64)))
-            .unzip();
+    /// The groups' keys (as `key_type`), by group index.
+    fn keys(&self, key_type: &DataType) -> Result<ArrayRef> {
+        let mut keys = vec![None; self.groups];
+        for (slot, &group) in self.group_of_slot.iter().enumerate() {
+            if group != NO_GROUP {
+                keys[group as usize] = slot.checked_sub(1).map(|key| key as i64);
+            }
+        }
         let keys: ArrayRef = Arc::new(Int64Array::from(keys));
-        Ok((
-            UInt32Array::from(order),
-            cast_with_options(&keys, key_type, &CastOptions::default())?,
-        ))
+        Ok(cast_with_options(&keys, key_type, &CastOptions::default())?)
     }
 
-    /// The groups: their keys and the accumulators' final values (`states`
-    /// false) or states, in key order; the accumulators are emptied.
+    /// The groups, in the order they first appeared (as DataFusion's own
+    /// aggregation gives them): their keys and the accumulators' final
+    /// values (`states` false) or states; the accumulators are emptied.
     fn emit(&mut self, key_type: &DataType, states: bool) -> Result<Vec<ArrayRef>> {
-        let (order, keys) = self.in_key_order(key_type)?;
-        let mut columns = vec![keys];
+        let mut columns = vec![self.keys(key_type)?];
         for accumulator in &mut self.accumulators {
-            let arrays = if states {
-                accumulator.state(EmitTo::All)?
+            if states {
+                columns.extend(accumulator.state(EmitTo::All)?);
             } else {
-                vec![accumulator.evaluate(EmitTo::All)?]
-            };
-            for array in arrays {
-                columns.push(take(&array, &order, None)?);
+                columns.push(accumulator.evaluate(EmitTo::All)?);
             }
         }
         Ok(columns)
