@@ -407,3 +407,30 @@ async fn an_outer_sort_merge_join_filters_rows_padded_with_nulls() {
     assert_eq!(report.comparisons, 2, "{}", report.summary());
     assert_no_mismatch(&report);
 }
+
+/// `sieve fuzz --seed 20261501 --schemas 6 --queries-per-schema 76
+/// --schema 5 --query 75 --modes spilled-joins`: `SELECT b.name, b.k2,
+/// count(a.c4_u64), min(a.c0_i64) FROM t1 a RIGHT JOIN t0 b ON a.id = b.id
+/// GROUP BY b.name, b.k2`, grouped by `b.id` first (`GroupByTableKey`) and
+/// that aggregation run by key value (`DenseAggregateExec`), gave
+/// 9223372036854775807 as the `min` of ten groups whose values are all
+/// NULL: DataFusion's accumulators, given group indexes by key value, took
+/// keys no row had yet as holding a value. The first query of the fuzzer's
+/// keyed-group shape to find a bug.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_first_met_with_only_null_values_aggregates_to_null_by_key_value() {
+    use sieve_cli::fuzz::{run_fuzz, FuzzOptions, Mode};
+    let data = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fuzz-dense-null-values");
+    std::fs::create_dir_all(&data).expect("data directory");
+    let options = FuzzOptions {
+        data_directory: Some(data),
+        modes: vec![Mode::SpilledJoins, Mode::Default],
+        only_schema: Some(5),
+        only_query: Some(75),
+        progress: false,
+        ..FuzzOptions::new(20_261_501, 6, 76)
+    };
+    let report = run_fuzz(&options).await.expect("the fuzzer runs");
+    assert_eq!(report.comparisons, 2, "{}", report.summary());
+    assert_no_mismatch(&report);
+}
