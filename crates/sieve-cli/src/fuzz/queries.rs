@@ -210,6 +210,10 @@ const KEYED_GROUP_PERCENT: u32 = 6;
 /// Mixed into a query's seed for that draw.
 const KEYED_GROUP_SEED: u64 = 0x6b65_7965_645f_6772;
 
+/// Mixed into a keyed-group query's seed for its third table, drawn
+/// apart so that the rest of the query stays what it was for a seed.
+const KEYED_THIRD_SEED: u64 = 0x7468_6972_645f_7462;
+
 impl<'schema> QueryGenerator<'schema> {
     /// A generator for query `seed` over `schema`: the same seed and tables
     /// always give the same query.
@@ -1152,10 +1156,34 @@ impl<'schema> QueryGenerator<'schema> {
             *self
                 .random
                 .pick(&["JOIN", "JOIN", "LEFT JOIN", "RIGHT JOIN", "FULL JOIN"]);
-        let from = format!(
+        let mut from = format!(
             "{} AS a {join_type} {} AS b ON {fact_key} = b.id",
             fact.spec.name, dimension.spec.name
         );
+        // Now and then a third table joined to the first on a key, as
+        // TPC-H Q21 and Q5 carry the grouped table's names through
+        // further joins; its multiplicity per key is bounded.
+        let mut third = SeededRandom::new(self.seed ^ KEYED_THIRD_SEED);
+        if third.percent(40) {
+            let tables = &self.schema.tables;
+            let table = &tables[third.below(tables.len())];
+            let third_scope = Self::columns(table, ALIASES[2]);
+            let first_keys = Self::key_columns(&fact_scope);
+            let third_keys = Self::key_columns(&third_scope);
+            if !first_keys.is_empty() && !third_keys.is_empty() {
+                let first_key = *third.pick(&first_keys);
+                let third_key = *third.pick(&third_keys);
+                let rows = Self::rows_with_few_per_key(table, &third_key);
+                let join = *third.pick(&["JOIN", "LEFT JOIN"]);
+                let _ = write!(
+                    from,
+                    " {join} {} ON {} = {}",
+                    Self::from_item(table, ALIASES[2], rows),
+                    first_key.sql(),
+                    third_key.sql()
+                );
+            }
+        }
         let mut groups = vec![format!("b.{NAME_COLUMN}")];
         if self.random.percent(35) {
             groups.extend(self.grouping(&fact_scope).into_iter().take(1));
