@@ -104,7 +104,8 @@ impl PhysicalOptimizerRule for DenseAggregates {
             let Some(slot_bytes) = dense_slot_bytes(aggregate)? else {
                 return Ok(Transformed::no(node));
             };
-            let mut slots_max = bytes_max / slot_bytes;
+            // Group indexes are u32, NO_GROUP the largest: slots below it.
+            let mut slots_max = (bytes_max / slot_bytes).min(NO_GROUP as usize);
             let input = StatisticsContext::new()
                 .compute(aggregate.input().as_ref(), &StatisticsArgs::new())?;
             // Where DataFusion's statistics know nothing (a join's output
@@ -518,7 +519,7 @@ impl Groups {
             let slot = key.map_or(0, |key| key as usize + 1);
             let group = &mut self.group_of_slot[slot];
             if *group == NO_GROUP {
-                // At most `slots_max` groups, far below u32::MAX.
+                // At most `slots_max` groups, below NO_GROUP (see optimize).
                 *group = self.groups as u32;
                 self.groups += 1;
             }

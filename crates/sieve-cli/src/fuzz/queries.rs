@@ -686,16 +686,7 @@ impl<'schema> QueryGenerator<'schema> {
         } else {
             String::new()
         };
-        let numeric: Vec<Column<'schema>> = scope
-            .iter()
-            .filter(|column| {
-                matches!(
-                    column.category(),
-                    Category::Integer | Category::Decimal | Category::Float
-                )
-            })
-            .copied()
-            .collect();
+        let numeric = numeric_columns(scope);
         let any = scope[self.random.below(scope.len())];
         let output = match self.random.weighted(&[3, 2, 2, 4, 2, 3, 3, 2, 2]) {
             0 => Output::exact("count(*)".into()),
@@ -1232,16 +1223,7 @@ impl<'schema> QueryGenerator<'schema> {
     /// `count`, `sum`, `min` or `max`: the aggregates a grouping by a key
     /// first can merge.
     fn mergeable_aggregate(&mut self, scope: &[Column<'schema>]) -> Output {
-        let numeric: Vec<Column<'schema>> = scope
-            .iter()
-            .filter(|column| {
-                matches!(
-                    column.category(),
-                    Category::Integer | Category::Decimal | Category::Float
-                )
-            })
-            .copied()
-            .collect();
+        let numeric = numeric_columns(scope);
         match self.random.below(5) {
             0 => Output::exact("count(*)".into()),
             1 => {
@@ -1544,16 +1526,7 @@ impl<'schema> QueryGenerator<'schema> {
         let scope = Self::columns(table, ALIASES[0]);
         let partition = self.grouping(&scope).remove(0);
         let order_column = scope[self.random.below(scope.len())];
-        let numeric: Vec<Column<'schema>> = scope
-            .iter()
-            .filter(|column| {
-                matches!(
-                    column.category(),
-                    Category::Integer | Category::Decimal | Category::Float
-                )
-            })
-            .copied()
-            .collect();
+        let numeric = numeric_columns(&scope);
         let summed = *self.random.pick(&numeric);
         let mut outputs = vec![Output::exact("a.id".into())];
         let count = 1 + self.random.below(3);
@@ -1674,4 +1647,18 @@ fn select_list(outputs: &[String]) -> String {
 /// `text` as a SQL string literal.
 fn quote(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
+}
+
+/// The columns of `scope` that `sum` and `avg` take.
+fn numeric_columns<'schema>(scope: &[Column<'schema>]) -> Vec<Column<'schema>> {
+    scope
+        .iter()
+        .filter(|column| {
+            matches!(
+                column.category(),
+                Category::Integer | Category::Decimal | Category::Float
+            )
+        })
+        .copied()
+        .collect()
 }
