@@ -212,14 +212,29 @@ fn rewrite(
             continue;
         }
         let unique = unique_columns(&wide.scan);
-        let Some((key_index, key_traced)) = (0..input.schema().fields().len()).find_map(|index| {
-            if !input.schema().field(index).data_type().is_integer() {
+        let is_key = |plan: &LogicalPlan, index: usize, path: &[usize]| -> Option<Traced> {
+            if !plan.schema().field(index).data_type().is_integer() {
                 return None;
             }
-            let key = trace(input, index, &mut vec![], false)?;
-            (key.path == wide.path && unique.contains(&key.table_column)).then_some((index, key))
-        }) else {
-            continue;
+            let key = trace(plan, index, &mut path.to_vec(), false)?;
+            (key.path == wide.path && unique.contains(&key.table_column)).then_some(key)
+        };
+        let found = (0..input.schema().fields().len())
+            .find_map(|index| Some((index, is_key(input, index, &[])?)));
+        // A subquery or view may name the table's columns without its key
+        // (TPC-H Q9's `n_name AS nation`): the key is carried up through
+        // its projections as one more column.
+        let (keyed_input, key_index, key_traced) = match found {
+            Some((index, key)) => (None, index, key),
+            None => match with_key(input, &mut vec![], &is_key, &alias)? {
+                Some((plan, index)) => {
+                    let Some(key) = is_key(&plan, index, &[]) else {
+                        continue;
+                    };
+                    (Some(Arc::new(plan)), index, key)
+                }
+                None => continue,
+            },
         };
         let provider = source_as_provider(&key_traced.scan.source)?;
         let Some(table_rows) = provider
@@ -254,12 +269,13 @@ fn rewrite(
         if distinct.saturating_mul(DISTINCT_SHARE_MIN) < table_rows {
             continue;
         }
-        chosen = Some((key_index, key_traced, moved));
+        chosen = Some((keyed_input, key_index, key_traced, moved));
         break;
     }
-    let Some((key_index, key_traced, moved)) = chosen else {
+    let Some((keyed_input, key_index, key_traced, moved)) = chosen else {
         return Ok(None);
     };
+    let input = keyed_input.unwrap_or_else(|| Arc::clone(&aggregate.input));
 
     // The first aggregation: the kept groups and the key.
     let kept: Vec<Expr> = groups
@@ -270,7 +286,7 @@ fn rewrite(
         .collect();
     let key_expr = Expr::Column(Column::from(input.schema().qualified_field(key_index)));
     let first = LogicalPlan::Aggregate(Aggregate::try_new(
-        Arc::clone(&aggregate.input),
+        Arc::clone(&input),
         kept.iter().cloned().chain([key_expr]).collect(),
         aggregate.aggr_expr.clone(),
     )?);
@@ -363,4 +379,66 @@ fn rewrite(
         exprs,
         Arc::new(second),
     )?)))
+}
+
+/// Whether a column of a plan (at a path of child indices from the
+/// aggregation's input) is the key sought, traced to its scan.
+type IsKey<'a> = dyn Fn(&LogicalPlan, usize, &[usize]) -> Option<Traced> + 'a;
+
+/// `plan` with one more output column, last: the integer column of a
+/// projection's input (below renames, filters, sorts and limits, and
+/// projections that then carry it too) that `is_key` takes, named
+/// `alias()`; `path` is the child indices from the aggregation's input to
+/// `plan`. `None` where no such column is found.
+fn with_key(
+    plan: &LogicalPlan,
+    path: &mut Vec<usize>,
+    is_key: &IsKey,
+    alias: &dyn Fn() -> String,
+) -> Result<Option<(LogicalPlan, usize)>> {
+    let input = match plan {
+        LogicalPlan::Projection(_)
+        | LogicalPlan::SubqueryAlias(_)
+        | LogicalPlan::Filter(_)
+        | LogicalPlan::Sort(_)
+        | LogicalPlan::Limit(_) => plan.inputs()[0],
+        _ => return Ok(None),
+    };
+    path.push(0);
+    let below = match plan {
+        LogicalPlan::Projection(_) => (0..input.schema().fields().len())
+            .find(|&index| is_key(input, index, path).is_some())
+            .map(|index| (None, index)),
+        _ => None,
+    };
+    let below = match below {
+        Some(found) => Some(found),
+        None => with_key(input, path, is_key, alias)?.map(|(input, index)| (Some(input), index)),
+    };
+    path.pop();
+    let Some((new_input, index)) = below else {
+        return Ok(None);
+    };
+    let input_schema = new_input.as_ref().map_or_else(
+        || Arc::clone(input.schema()),
+        |input| Arc::clone(input.schema()),
+    );
+    let new_input = Arc::new(new_input.unwrap_or_else(|| input.clone()));
+    match plan {
+        LogicalPlan::Projection(projection) => {
+            let key = Expr::Column(Column::from(input_schema.qualified_field(index)));
+            let mut exprs = projection.expr.clone();
+            exprs.push(key.alias(alias()));
+            let at = exprs.len() - 1;
+            Ok(Some((
+                LogicalPlan::Projection(Projection::try_new(exprs, new_input)?),
+                at,
+            )))
+        }
+        // Their columns are their input's.
+        _ => Ok(Some((
+            plan.with_new_exprs(plan.expressions(), vec![Arc::unwrap_or_clone(new_input)])?,
+            index,
+        ))),
+    }
 }

@@ -138,6 +138,16 @@ const TAKEN: &[&str] = &[
      GROUP BY s.name",
     "SELECT s.name, count(i.sk), max(i.w) FROM {s} s LEFT JOIN items i ON s.k = i.sk \
      WHERE s.nation <> 1 GROUP BY s.name",
+    // A subquery that names the table's columns without its key (TPC-H
+    // Q9's `n_name AS nation`): the key carried up through it.
+    "SELECT nm, t, sum(v), count(*) FROM (SELECT s.name AS nm, i.tag AS t, i.qty * 2 AS v \
+     FROM {s} s, items i, ords o WHERE s.k = i.sk AND o.ok = i.ok) AS x GROUP BY nm, t",
+    // Two levels, a filter between them, a column named as the key is.
+    "SELECT nm, k, min(q) FROM (SELECT nm, q, k FROM (SELECT s.name AS nm, i.qty AS q, \
+     i.ok AS k FROM {s} s JOIN items i ON s.k = i.sk) AS y WHERE q > 3) AS x GROUP BY nm, k",
+    // The supplier side padded, below a sort and a limit.
+    "SELECT nm, sum(q) FROM (SELECT s.name AS nm, i.qty AS q FROM items i \
+     LEFT JOIN {s} s ON s.k = i.sk ORDER BY i.ok, i.sk LIMIT 20000) AS x GROUP BY nm",
 ];
 
 /// Queries it leaves as they are whatever the key.
@@ -158,6 +168,10 @@ const NOT_TAKEN: &[&str] = &[
     "SELECT s.region, count(*) FROM {s} s JOIN items i ON s.k = i.sk GROUP BY s.region",
     // Only fixed-width columns of the table grouped.
     "SELECT s.nation, count(*) FROM {s} s JOIN items i ON s.k = i.sk GROUP BY s.nation",
+    // The names through a grouping of the subquery's: not one row of the
+    // table each.
+    "SELECT nm, count(*) FROM (SELECT DISTINCT s.name AS nm, i.ok FROM {s} s \
+     JOIN items i ON s.k = i.sk) AS x GROUP BY nm",
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
