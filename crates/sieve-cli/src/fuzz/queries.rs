@@ -214,6 +214,11 @@ const KEYED_GROUP_SEED: u64 = 0x6b65_7965_645f_6772;
 /// apart so that the rest of the query stays what it was for a seed.
 const KEYED_THIRD_SEED: u64 = 0x7468_6972_645f_7462;
 
+/// Mixed into a keyed-group query's seed for whether its joins go in a
+/// subquery that renames the columns and leaves the grouped table's key
+/// out (TPC-H Q9's `n_name AS nation`), drawn apart as the third table.
+const KEYED_SUBQUERY_SEED: u64 = 0x7375_6271_7565_7279;
+
 impl<'schema> QueryGenerator<'schema> {
     /// A generator for query `seed` over `schema`: the same seed and tables
     /// always give the same query.
@@ -1197,12 +1202,15 @@ impl<'schema> QueryGenerator<'schema> {
                 self.mergeable_aggregate(&fact_scope)
             })
             .collect();
+        let filter = self.where_clause(&scope, 40);
+        let (groups, aggregates, from) =
+            if SeededRandom::new(self.seed ^ KEYED_SUBQUERY_SEED).percent(30) {
+                in_subquery(&scope, groups, aggregates, &from, &filter)
+            } else {
+                (groups, aggregates, format!("{from}{filter}"))
+            };
         let (outputs, approximate) = outputs_after(&groups, &aggregates);
-        let mut sql = format!(
-            "SELECT {} FROM {from}{}",
-            select_list(&outputs),
-            self.where_clause(&scope, 40)
-        );
+        let mut sql = format!("SELECT {} FROM {from}", select_list(&outputs));
         let _ = write!(sql, " GROUP BY {}", groups.join(", "));
         let mut ordered = false;
         if self.random.percent(20) {
@@ -1649,6 +1657,70 @@ fn quote(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
+/// A keyed-group query's joins and filter in a subquery `q` that names
+/// each column `<alias>_<name>` and leaves `b.id` out unless the query
+/// uses it: its groups, aggregates and `FROM` over `q`.
+fn in_subquery(
+    scope: &[Column<'_>],
+    groups: Vec<String>,
+    aggregates: Vec<Output>,
+    from: &str,
+    filter: &str,
+) -> (Vec<String>, Vec<Output>, String) {
+    let mut columns: Vec<String> = scope.iter().map(Column::sql).collect();
+    columns.push(format!("b.{NAME_COLUMN}"));
+    let used = |column: &str| {
+        groups
+            .iter()
+            .chain(aggregates.iter().map(|output| &output.sql))
+            .any(|sql| rename_column(sql, column, "") != *sql)
+    };
+    columns.retain(|column| column != "b.id" || used(column));
+    // Longest first: no name is replaced inside a longer one.
+    columns.sort_by_key(|column| std::cmp::Reverse(column.len()));
+    let renamed = |sql: &str| {
+        columns.iter().fold(sql.to_string(), |sql, column| {
+            rename_column(&sql, column, &column.replace('.', "_"))
+        })
+    };
+    let select: Vec<String> = columns
+        .iter()
+        .map(|column| format!("{column} AS {}", column.replace('.', "_")))
+        .collect();
+    let groups = groups.iter().map(|group| renamed(group)).collect();
+    let aggregates = aggregates
+        .into_iter()
+        .map(|output| Output {
+            sql: renamed(&output.sql),
+            approximate: output.approximate,
+        })
+        .collect();
+    let from = format!("(SELECT {} FROM {from}{filter}) AS q", select.join(", "));
+    (groups, aggregates, from)
+}
+
+/// `sql` with every whole occurrence of the column `column` (`a.c0`, not
+/// within `xa.c0` or `a.c0_x`) replaced by `name`.
+fn rename_column(sql: &str, column: &str, name: &str) -> String {
+    let word = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '.';
+    let mut out = String::with_capacity(sql.len());
+    let mut rest = sql;
+    while let Some(at) = rest.find(column) {
+        // The character before the match, in `rest` or already written.
+        let before = rest[..at].chars().last().or_else(|| out.chars().last());
+        let after = rest[at + column.len()..].chars().next();
+        out.push_str(&rest[..at]);
+        if before.is_some_and(word) || after.is_some_and(word) {
+            out.push_str(column);
+        } else {
+            out.push_str(name);
+        }
+        rest = &rest[at + column.len()..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// The columns of `scope` that `sum` and `avg` take.
 fn numeric_columns<'schema>(scope: &[Column<'schema>]) -> Vec<Column<'schema>> {
     scope
@@ -1661,4 +1733,23 @@ fn numeric_columns<'schema>(scope: &[Column<'schema>]) -> Vec<Column<'schema>> {
         })
         .copied()
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rename_column;
+
+    #[test]
+    fn a_column_is_renamed_where_it_stands_alone() {
+        assert_eq!(
+            rename_column(
+                "sum(a.c1) FILTER (WHERE a.c10 > 2 AND xa.c1 = a.c1_x AND a.c1)",
+                "a.c1",
+                "a_c1"
+            ),
+            "sum(a_c1) FILTER (WHERE a.c10 > 2 AND xa.c1 = a.c1_x AND a_c1)"
+        );
+        assert_eq!(rename_column("a.c1", "a.c1", "q"), "q");
+        assert_eq!(rename_column("b.id", "a.c1", "q"), "b.id");
+    }
 }
