@@ -54,6 +54,7 @@ use datafusion::logical_expr::{
 use datafusion::optimizer::optimizer::ApplyOrder;
 use datafusion::optimizer::{OptimizerConfig, OptimizerRule};
 
+use crate::as_it_was::or_as_it_was;
 use crate::{NdpMode, SieveConfig};
 
 /// Aggregates a join's many side first (see the module documentation).
@@ -89,15 +90,11 @@ impl OptimizerRule for AggregateBeforeJoin {
         if !settings.aggregate_before_join || settings.mode()? == NdpMode::Off {
             return Ok(Transformed::no(plan));
         }
-        // A plan this rule cannot rebuild is planned as it was: the rule
-        // is an optimization, never a reason for a query to fail.
-        match rewrite(aggregate, || config.alias_generator().next(PREFIX)) {
-            Ok(Some(rewritten)) => Ok(Transformed::yes(rewritten)),
-            Ok(None) => Ok(Transformed::no(plan)),
-            Err(error) => {
-                log::debug!("{}: plan kept as it was: {error}", self.name());
-                Ok(Transformed::no(plan))
-            }
+        match or_as_it_was(self.name(), || {
+            rewrite(aggregate, || config.alias_generator().next(PREFIX))
+        }) {
+            Some(rewritten) => Ok(Transformed::yes(rewritten)),
+            None => Ok(Transformed::no(plan)),
         }
     }
 }
@@ -257,16 +254,36 @@ fn rewrite(aggregate: &Aggregate, alias: impl Fn() -> String) -> Result<Option<L
             }
         })
         .unzip();
+    // The aggregated side's keys, each once: a join on one key twice
+    // (`a.k = b.x AND a.k = b.y`) groups by it once, and both pairs of the
+    // new join read that group's key (fuzzer seed 20261702, schema 15,
+    // query 62 indexed past the aggregation's columns).
+    let mut group_keys: Vec<Expr> = Vec::with_capacity(many_keys.len());
+    let key_groups: Vec<usize> = many_keys
+        .iter()
+        .map(
+            |key| match group_keys.iter().position(|group| group == key) {
+                Some(position) => position,
+                None => {
+                    group_keys.push(key.clone());
+                    group_keys.len() - 1
+                }
+            },
+        )
+        .collect();
     let first = LogicalPlan::Aggregate(Aggregate::try_new(
         Arc::clone(many),
-        many_keys.clone(),
+        group_keys.clone(),
         functions,
     )?);
     let name = TableReference::bare(alias());
     let first = LogicalPlan::SubqueryAlias(SubqueryAlias::try_new(Arc::new(first), name.clone())?);
     let first_schema = Arc::clone(first.schema());
+    if first_schema.fields().len() != group_keys.len() + unmatched.len() {
+        return Ok(None);
+    }
     let column_at = |index: usize| Expr::Column(Column::from(first_schema.qualified_field(index)));
-    let first_keys: Vec<Expr> = (0..many_keys.len()).map(column_at).collect();
+    let first_keys: Vec<Expr> = key_groups.iter().map(|&group| column_at(group)).collect();
     let on: Vec<(Expr, Expr)> = kept_keys
         .into_iter()
         .zip(first_keys)
@@ -308,7 +325,7 @@ fn rewrite(aggregate: &Aggregate, alias: impl Fn() -> String) -> Result<Option<L
             value
         } else {
             let position = index - groups.len();
-            let value = column_at(many_keys.len() + position);
+            let value = column_at(group_keys.len() + position);
             match unmatched[position] {
                 Unmatched::Null => value,
                 Unmatched::Zero => coalesce(value, 0),

@@ -59,6 +59,7 @@ use datafusion::physical_plan::joins::HashJoinExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::ExecutionPlan;
 
+use crate::as_it_was::or_as_it_was;
 use crate::SieveConfig;
 
 /// Moves expressions of a hash join's build side below the join (see the
@@ -81,17 +82,9 @@ impl PhysicalOptimizerRule for EvaluateOnBuildSides {
         if !SieveConfig::of(config).evaluate_before_joins {
             return Ok(plan);
         }
-        plan.transform_down(|node| {
-            // A plan this rule cannot rebuild is planned as it was: the
-            // rule is an optimization, never a reason for a query to fail.
-            match push(&node) {
-                Ok(Some(rewritten)) => Ok(Transformed::yes(rewritten)),
-                Ok(None) => Ok(Transformed::no(node)),
-                Err(error) => {
-                    log::debug!("{}: plan kept as it was: {error}", self.name());
-                    Ok(Transformed::no(node))
-                }
-            }
+        plan.transform_down(|node| match or_as_it_was(self.name(), || push(&node)) {
+            Some(rewritten) => Ok(Transformed::yes(rewritten)),
+            None => Ok(Transformed::no(node)),
         })
         .map(|transformed| transformed.data)
     }

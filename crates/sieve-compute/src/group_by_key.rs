@@ -57,6 +57,7 @@ use datafusion::logical_expr::{
 use datafusion::optimizer::optimizer::ApplyOrder;
 use datafusion::optimizer::{OptimizerConfig, OptimizerRule};
 
+use crate::as_it_was::or_as_it_was;
 use crate::late_columns::{trace, unique_columns, variable_width, Traced};
 use crate::{NdpMode, SieveConfig};
 
@@ -104,17 +105,13 @@ impl OptimizerRule for GroupByTableKey {
         let sum = config
             .function_registry()
             .and_then(|registry| registry.udaf("sum").ok());
-        // A plan this rule cannot rebuild is planned as it was: the rule
-        // is an optimization, never a reason for a query to fail.
-        match rewrite(aggregate, rows_max, sum, || {
-            config.alias_generator().next(PREFIX)
+        match or_as_it_was(self.name(), || {
+            rewrite(aggregate, rows_max, sum, || {
+                config.alias_generator().next(PREFIX)
+            })
         }) {
-            Ok(Some(rewritten)) => Ok(Transformed::yes(rewritten)),
-            Ok(None) => Ok(Transformed::no(plan)),
-            Err(error) => {
-                log::debug!("{}: plan kept as it was: {error}", self.name());
-                Ok(Transformed::no(plan))
-            }
+            Some(rewritten) => Ok(Transformed::yes(rewritten)),
+            None => Ok(Transformed::no(plan)),
         }
     }
 }
@@ -291,6 +288,9 @@ fn rewrite(
         aggregate.aggr_expr.clone(),
     )?);
     let first_schema = Arc::clone(first.schema());
+    if first_schema.fields().len() != kept.len() + 1 + aggregate.aggr_expr.len() {
+        return Ok(None);
+    }
     let first_column =
         |index: usize| Expr::Column(Column::from(first_schema.qualified_field(index)));
 
@@ -362,6 +362,9 @@ fn rewrite(
         second_aggregates,
     )?);
     let second_schema = Arc::clone(second.schema());
+    if second_schema.fields().len() != aggregate.schema.fields().len() {
+        return Ok(None);
+    }
 
     // The query's names and types.
     let mut exprs = Vec::with_capacity(aggregate.schema.fields().len());

@@ -39,6 +39,7 @@ use datafusion::logical_expr::{
 use datafusion::optimizer::optimizer::ApplyOrder;
 use datafusion::optimizer::{OptimizerConfig, OptimizerRule};
 
+use crate::as_it_was::or_as_it_was;
 use crate::{NdpMode, SieveConfig};
 
 /// Groups by a table's unique key instead of the key and the columns it
@@ -73,22 +74,16 @@ impl OptimizerRule for JoinGroupColumnsLate {
         if !settings.late_group_columns || settings.mode()? == NdpMode::Off {
             return Ok(Transformed::no(plan));
         }
-        let rewritten = match &plan {
+        let rewritten = or_as_it_was(self.name(), || match &plan {
             LogicalPlan::Aggregate(aggregate) => {
                 rewrite_aggregate(aggregate, || config.alias_generator().next(LATE_PREFIX))
             }
             LogicalPlan::Sort(sort) => push_top_rows(sort),
             _ => Ok(None),
-        };
-        // A plan this rule cannot rebuild is planned as it was: the rule
-        // is an optimization, never a reason for a query to fail.
+        });
         match rewritten {
-            Ok(Some(rewritten)) => Ok(Transformed::yes(rewritten)),
-            Ok(None) => Ok(Transformed::no(plan)),
-            Err(error) => {
-                log::debug!("{}: plan kept as it was: {error}", self.name());
-                Ok(Transformed::no(plan))
-            }
+            Some(rewritten) => Ok(Transformed::yes(rewritten)),
+            None => Ok(Transformed::no(plan)),
         }
     }
 }

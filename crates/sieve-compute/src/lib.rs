@@ -26,6 +26,7 @@
 #![deny(missing_docs)]
 
 mod aggregate_first;
+mod as_it_was;
 mod build_keys;
 mod catalog;
 mod checked_reader;

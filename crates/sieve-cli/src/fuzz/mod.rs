@@ -736,20 +736,41 @@ enum Outcome {
     ExecutionError(String),
 }
 
+/// Runs `sql`; a panic while planning or running it is this query's
+/// failure (the run goes on and shows its SQL), not the fuzzer's.
 async fn run_query(context: &SessionContext, sql: &str) -> Outcome {
+    use futures::FutureExt;
     let timeout = Duration::from_millis(QUERY_TIMEOUT_MS);
-    let frame = match tokio::time::timeout(timeout, context.sql(sql)).await {
-        Ok(Ok(frame)) => frame,
-        Ok(Err(error)) => return Outcome::PlanError(error.to_string()),
-        Err(_) => {
+    let planned = std::panic::AssertUnwindSafe(tokio::time::timeout(timeout, context.sql(sql)))
+        .catch_unwind()
+        .await;
+    let frame = match planned {
+        Ok(Ok(Ok(frame))) => frame,
+        Ok(Ok(Err(error))) => return Outcome::PlanError(error.to_string()),
+        Ok(Err(_)) => {
             return Outcome::ExecutionError(format!("planning took over {QUERY_TIMEOUT_MS} ms"))
         }
+        Err(panic) => return Outcome::ExecutionError(panicked("planning", panic.as_ref())),
     };
-    match tokio::time::timeout(timeout, frame.collect()).await {
-        Ok(Ok(batches)) => Outcome::Rows(batches),
-        Ok(Err(error)) => Outcome::ExecutionError(error.to_string()),
-        Err(_) => Outcome::ExecutionError(format!("ran over {QUERY_TIMEOUT_MS} ms")),
+    let ran = std::panic::AssertUnwindSafe(tokio::time::timeout(timeout, frame.collect()))
+        .catch_unwind()
+        .await;
+    match ran {
+        Ok(Ok(Ok(batches))) => Outcome::Rows(batches),
+        Ok(Ok(Err(error))) => Outcome::ExecutionError(error.to_string()),
+        Ok(Err(_)) => Outcome::ExecutionError(format!("ran over {QUERY_TIMEOUT_MS} ms")),
+        Err(panic) => Outcome::ExecutionError(panicked("running", panic.as_ref())),
     }
+}
+
+/// A panic's message, as an error.
+fn panicked(stage: &str, panic: &(dyn std::any::Any + Send)) -> String {
+    let message = panic
+        .downcast_ref::<&str>()
+        .map(|message| (*message).to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    format!("panicked while {stage}: {message}")
 }
 
 fn rows(batches: &[RecordBatch]) -> usize {

@@ -133,6 +133,12 @@ const TAKEN: &[&str] = &[
     // An empty many side: every parent counts 0.
     "SELECT p.k, count(e.v), count(*), sum(e.v) FROM {p} p LEFT JOIN empty_child e \
      ON p.k = e.pk GROUP BY p.k",
+    // The child's key joined twice: grouped by it once (the rule indexed
+    // past its aggregation's columns and panicked, fuzzer seed 20261702).
+    "SELECT p.k, max(c.v), avg(c.v) FROM child c JOIN {p} p ON c.pk = p.k AND c.pk = p.g \
+     GROUP BY p.k",
+    "SELECT p.k, count(c.id), count(*) FROM {p} p LEFT JOIN child c ON p.k = c.pk \
+     AND p.g = c.pk GROUP BY p.k",
 ];
 
 /// Queries the rule leaves as they are whatever the key.
