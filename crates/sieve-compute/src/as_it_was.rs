@@ -22,22 +22,28 @@ pub(crate) fn or_as_it_was<T>(
             None
         }
         Err(panic) => {
-            let message = panic
-                .downcast_ref::<&str>()
-                .map(|message| (*message).to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
+            let message = panic_message(panic.as_ref());
             log::warn!("{rule}: plan kept as it was: the rule panicked: {message}");
             None
         }
     }
 }
 
+/// The text a panic was raised with (`panic!`'s message), empty for any
+/// other payload.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|message| (*message).to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use datafusion::common::DataFusionError;
 
-    use super::or_as_it_was;
+    use super::{or_as_it_was, panic_message};
 
     #[test]
     fn an_error_or_a_panic_keeps_the_plan() {
@@ -51,5 +57,12 @@ mod tests {
             or_as_it_was::<i32>("rule", || panic!("a bug in the rule")),
             None
         );
+    }
+
+    #[test]
+    fn a_panics_message_is_its_text() {
+        assert_eq!(panic_message(&"static text"), "static text");
+        assert_eq!(panic_message(&format!("formatted {}", 7)), "formatted 7");
+        assert_eq!(panic_message(&7_u8), "");
     }
 }

@@ -63,6 +63,7 @@ mod traffic;
 mod wide_join;
 
 pub use aggregate_first::AggregateBeforeJoin;
+pub use as_it_was::panic_message;
 pub use build_keys::{BuildKeys, BuildKeysExec, CollectedKeys};
 pub use catalog::{
     ClusterCatalog, ClusterSlice, ClusterTable, DiscoveryFailure, DiscoverySettings, NodeState,

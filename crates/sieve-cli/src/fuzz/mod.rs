@@ -765,12 +765,10 @@ async fn run_query(context: &SessionContext, sql: &str) -> Outcome {
 
 /// A panic's message, as an error.
 fn panicked(stage: &str, panic: &(dyn std::any::Any + Send)) -> String {
-    let message = panic
-        .downcast_ref::<&str>()
-        .map(|message| (*message).to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_default();
-    format!("panicked while {stage}: {message}")
+    format!(
+        "panicked while {stage}: {}",
+        sieve_compute::panic_message(panic)
+    )
 }
 
 fn rows(batches: &[RecordBatch]) -> usize {

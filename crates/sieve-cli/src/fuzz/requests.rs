@@ -422,12 +422,7 @@ impl PanicRecorder {
     fn install() -> Self {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(|info| {
-            let message = info
-                .payload()
-                .downcast_ref::<&str>()
-                .map(|text| text.to_string())
-                .or_else(|| info.payload().downcast_ref::<String>().cloned())
-                .unwrap_or_default();
+            let message = sieve_compute::panic_message(info.payload());
             let location = info
                 .location()
                 .map(|location| format!("{}:{}", location.file(), location.line()))
