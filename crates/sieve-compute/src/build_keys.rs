@@ -74,7 +74,7 @@ use datafusion::physical_plan::statistics::{ChildStats, StatisticsArgs};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
 use futures::StreamExt;
-use sieve_fragment::KEY_BITMAP_BYTES_MAX;
+use sieve_fragment::{KeyWords, KEY_BITMAP_BYTES_MAX};
 
 /// The keys one hash join's build side produced, per key column.
 #[derive(Debug)]
@@ -224,8 +224,16 @@ pub struct KeyBits {
     base: i64,
     /// Shared, once the keys are complete, with the key bitmap made of
     /// them ([`Self::trimmed`]): one copy of a 75 MB bitmap, not two.
-    words: Arc<Vec<u64>>,
+    /// Whole while keys arrive; once complete, packed where that takes
+    /// fewer bytes ([`KeyWords::packed_if_smaller`]).
+    words: KeyWords,
 }
+
+/// A complete bitmap's words are packed if that takes at most this share
+/// of their bytes: TPC-H Q21's three order-key bitmaps at SF 100 take
+/// 75 MB each whole. Packed words cost more per look-up, but the compute
+/// node only cuts windows from them and compresses them for the wire.
+const PACKED_BYTES_RATIO_MAX: f64 = 0.75;
 
 impl KeyBits {
     /// An empty bitmap covering `[low, high]`.
@@ -234,7 +242,7 @@ impl KeyBits {
         Self {
             data_type,
             base,
-            words: Arc::new(vec![0; Self::span_words(base, high)]),
+            words: vec![0; Self::span_words(base, high)].into(),
         }
     }
 
@@ -273,7 +281,7 @@ impl KeyBits {
             return false;
         }
         let base = low.div_euclid(64).saturating_mul(64);
-        let self_words = Arc::make_mut(&mut self.words);
+        let self_words = Self::whole_words(&mut self.words);
         if base < self.base {
             // Keys below the range: shift the words up, with room for more
             // below (up to half the words again) so that keys arriving in
@@ -289,10 +297,16 @@ impl KeyBits {
             self.base -= (prepend as i64) * 64;
         }
         let needed = Self::span_words(self.base, high);
-        if needed > self_words.len() {
-            // Doubling, as a vector does, but never past the bound.
+        if needed > self_words.capacity() {
+            // Doubling, as a vector does, but never past the bound. (Only
+            // past the capacity: keys arriving in ascending order, as a
+            // table sorted by its key sends them, passed the length with
+            // every batch, and the capacity doubled each time up to the
+            // bound, 128 MiB held in the pool for a bitmap of 500 KB.)
             let target = (self_words.capacity() * 2).clamp(needed, KEY_BITMAP_BYTES_MAX / 8);
             self_words.reserve_exact(target - self_words.len());
+        }
+        if needed > self_words.len() {
             self_words.resize(needed, 0);
         }
         let (base, words) = (self.base, self_words.as_mut_slice());
@@ -303,9 +317,22 @@ impl KeyBits {
         true
     }
 
+    /// The words, whole, to change them (unpacked if they were packed).
+    fn whole_words(words: &mut KeyWords) -> &mut Vec<u64> {
+        if words.whole().is_none() {
+            let mut whole = Vec::new();
+            words.copy_to(0, words.len(), &mut whole);
+            *words = whole.into();
+        }
+        match words {
+            KeyWords::Whole(words) => Arc::make_mut(words),
+            KeyWords::Packed(_) => unreachable!("unpacked above"),
+        }
+    }
+
     /// Bytes of the words.
     pub fn bytes(&self) -> usize {
-        self.words.capacity() * 8
+        self.words.byte_len()
     }
 
     /// The build keys' type.
@@ -315,28 +342,25 @@ impl KeyBits {
 
     /// Number of keys set.
     pub fn keys(&self) -> u64 {
-        self.words
-            .iter()
-            .map(|word| u64::from(word.count_ones()))
-            .sum()
+        self.words.count_ones()
     }
 
     /// The smallest and largest key, if any.
     pub fn low_high(&self) -> Option<(i64, i64)> {
-        let first = self.words.iter().position(|word| *word != 0)?;
-        let last = self.words.iter().rposition(|word| *word != 0)?;
+        let (first, last) = self.words.first_last_set()?;
         Some((
-            self.base + 64 * first as i64 + i64::from(self.words[first].trailing_zeros()),
-            self.base + 64 * last as i64 + 63 - i64::from(self.words[last].leading_zeros()),
+            self.base + 64 * first as i64 + i64::from(self.words.word(first).trailing_zeros()),
+            self.base + 64 * last as i64 + 63 - i64::from(self.words.word(last).leading_zeros()),
         ))
     }
 
     /// Drop the words before the one holding the smallest key and after
     /// the one holding the largest, and the capacity kept for growing, in
-    /// place: done once the keys are complete, so that [`Self::trimmed`]
-    /// shares the words instead of copying them.
+    /// place, and pack them where that takes fewer bytes: done once the
+    /// keys are complete, so that [`Self::trimmed`] shares the words
+    /// instead of copying them.
     fn trim(&mut self) {
-        let words = Arc::make_mut(&mut self.words);
+        let words = Self::whole_words(&mut self.words);
         let Some(first) = words.iter().position(|word| *word != 0) else {
             *words = Vec::new();
             return;
@@ -349,21 +373,24 @@ impl KeyBits {
         words.drain(..first);
         words.shrink_to_fit();
         self.base += 64 * first as i64;
+        self.words = self.words.clone().packed_if_smaller(PACKED_BYTES_RATIO_MAX);
     }
 
     /// The words from the one holding the smallest key to the one holding
     /// the largest, with the value of their first bit and the number of
     /// values from it to the largest key: what a key bitmap is made of.
     /// Shared with this bitmap once [trimmed](Self::trim), else copied.
-    pub fn trimmed(&self) -> Option<(i64, u64, Arc<Vec<u64>>)> {
+    pub fn trimmed(&self) -> Option<(i64, u64, KeyWords)> {
         let (low, high) = self.low_high()?;
         let first = usize::try_from((low - self.base) / 64).ok()?;
         let last = usize::try_from((high - self.base) / 64).ok()?;
         let base = self.base + 64 * first as i64;
         let words = if first == 0 && last + 1 == self.words.len() {
-            Arc::clone(&self.words)
+            self.words.clone()
         } else {
-            Arc::new(self.words[first..=last].to_vec())
+            let mut words = Vec::with_capacity(last + 1 - first);
+            self.words.copy_to(first, last + 1, &mut words);
+            words.into()
         };
         Some((base, (high - base) as u64 + 1, words))
     }
@@ -371,13 +398,12 @@ impl KeyBits {
     /// The keys as an array of the build keys' type, ascending.
     pub fn values(&self) -> Result<ArrayRef> {
         let mut values = Vec::new();
-        for (index, word) in self.words.iter().enumerate() {
-            let mut word = *word;
+        self.words.for_each_set(|index, mut word| {
             while word != 0 {
                 values.push(self.base + 64 * index as i64 + i64::from(word.trailing_zeros()));
                 word &= word - 1;
             }
-        }
+        });
         let values: ArrayRef = Arc::new(PrimitiveArray::<Int64Type>::from_iter_values(values));
         let values = match self.data_type {
             // Dates of days are 32-bit integers.
@@ -1203,7 +1229,12 @@ mod tests {
         assert_eq!(words.len() as u64, span.div_ceil(64));
         // Trimmed once complete: the words a key bitmap is made of are the
         // collector's own, shared, with no room kept for growing.
-        assert!(Arc::ptr_eq(&words, &bits.trimmed().unwrap().2));
+        // (One value in three is a key: whole words are smaller than packed.)
+        let (KeyWords::Whole(words), KeyWords::Whole(again)) = (&words, &bits.trimmed().unwrap().2)
+        else {
+            panic!("one key in three values: whole words");
+        };
+        assert!(Arc::ptr_eq(words, again));
         assert_eq!(words.capacity(), words.len());
         // A bitmap of the range, not 8 bytes per key.
         let held = collector.bytes();
@@ -1216,6 +1247,67 @@ mod tests {
         drop(tap);
         drop(collector);
         assert_eq!(pool.reserved(), 0);
+    }
+
+    /// Keys that use a fraction of their range (TPC-H's order keys: 8
+    /// values of 32, a third of them kept) are packed once complete: the
+    /// pool holds the packed bytes, the same keys come back, and the words
+    /// a key bitmap is made of are the collector's own, shared. The keys
+    /// arrive in ascending order, batch by batch, as from a table sorted
+    /// by them: the bitmap's room grows as a vector's does (it doubled
+    /// with every batch up to 128 MiB, and this 64 MiB pool refused it).
+    #[tokio::test]
+    async fn complete_keys_of_a_sparse_range_are_held_packed() {
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, true)]));
+        let keys: Vec<i64> = (0..4_000_000i64)
+            .filter(|value| value % 32 < 8 && value % 3 == 0)
+            .collect();
+        let batches: Vec<Vec<Option<i64>>> = keys
+            .chunks(8192)
+            .map(|chunk| chunk.iter().copied().map(Some).collect())
+            .collect();
+        let partitions = vec![batches_of(&schema, batches)];
+        let input =
+            MemorySourceConfig::try_new_exec(&partitions, Arc::clone(&schema), None).unwrap();
+        let pool: Arc<dyn MemoryPool> = Arc::new(
+            datafusion::execution::memory_pool::GreedyMemoryPool::new(64 << 20),
+        );
+        let collector = Arc::new(BuildKeys::new(1, 1, 10_000));
+        let tap = BuildKeysExec::new(
+            input,
+            vec![Arc::new(Column::new("k", 0))],
+            Arc::clone(&collector),
+        );
+        collect(
+            tap.execute(0, context_with_pool(Arc::clone(&pool)))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+        let CollectedKeys::Keys(columns) = collector.collected() else {
+            panic!("{:?}", collector.collected());
+        };
+        let ColumnKeys::Bits(bits) = &columns[0] else {
+            panic!("kept as a bitmap");
+        };
+        assert_eq!(bits.keys(), keys.len() as u64);
+        assert_eq!(bits.low_high(), Some((0, *keys.last().unwrap())));
+        assert_eq!(sorted_i64(&bits.values().unwrap()), keys);
+        let (base, span, words) = bits.trimmed().unwrap();
+        assert_eq!((base, span), (0, *keys.last().unwrap() as u64 + 1));
+        let (KeyWords::Packed(words), KeyWords::Packed(again)) =
+            (&words, &bits.trimmed().unwrap().2)
+        else {
+            panic!("packed");
+        };
+        assert!(Arc::ptr_eq(words, again));
+        let whole_bytes = span.div_ceil(64) as usize * 8;
+        let held = collector.bytes();
+        assert!(
+            held < whole_bytes / 2,
+            "{held} bytes held, {whole_bytes} whole"
+        );
+        assert_eq!(pool.reserved(), held);
     }
 
     /// Once complete, integer keys whose bitmap takes at most twice their

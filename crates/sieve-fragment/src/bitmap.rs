@@ -29,6 +29,7 @@ use datafusion::physical_expr::PhysicalExpr;
 
 use crate::bloom::with_integer_keys;
 use crate::unary::evaluate_unary;
+use crate::KeyWords;
 
 /// Upper bound on the bytes of one key bitmap (1 Gi values, so TPC-H SF 100's
 /// 600 million order keys fit: a Bloom filter over them costs the storage
@@ -69,7 +70,9 @@ pub struct KeyBitmapExpr {
     base: i64,
     /// Values covered: `[base, base + bits)`.
     bits: u64,
-    words: Arc<Vec<u64>>,
+    /// Whole or, on the compute node, packed ([`KeyWords`]); a cut
+    /// bitmap's are whole.
+    words: KeyWords,
     /// `None`: `words` are all the bitmap's words. `Some`: the bitmap was
     /// cut to the key ranges of a storage node's slices, and `words` hold
     /// only the chunks of [`KEY_BITMAP_CHUNK_WORDS`] that overlap them:
@@ -156,7 +159,7 @@ impl KeyBitmapExpr {
             data_type,
             base,
             bits,
-            words: Arc::new(bitmap),
+            words: bitmap.into(),
             chunks: None,
             keys: count,
             prefilter: Arc::default(),
@@ -180,13 +183,13 @@ impl KeyBitmapExpr {
     /// A bitmap from its words: bit `i` of word `w` stands for the value
     /// `base + 64 * w + i`, `bits` values in all (a build side's keys
     /// collected as a bitmap, or one received on the wire). Words already
-    /// shared (a collector's) are held, not copied.
+    /// shared (a collector's, whole or packed) are held, not copied.
     pub fn from_words(
         input: Arc<dyn PhysicalExpr>,
         data_type: DataType,
         base: i64,
         bits: u64,
-        words: impl Into<Arc<Vec<u64>>>,
+        words: impl Into<KeyWords>,
         keys: u64,
     ) -> Result<Self> {
         let words = words.into();
@@ -242,7 +245,10 @@ impl KeyBitmapExpr {
             |error: std::io::Error| plan_datafusion_err!("cannot compress a key bitmap: {error}");
         let mut encoder = zstd::stream::write::Encoder::new(Vec::new(), 1).map_err(io)?;
         let mut buffer = Vec::with_capacity(KEY_BITMAP_CHUNK_WORDS * 8);
-        for words in self.whole_words().chunks(KEY_BITMAP_CHUNK_WORDS) {
+        let mut words = Vec::with_capacity(KEY_BITMAP_CHUNK_WORDS);
+        for chunk in 0..words_for(self.bits).div_ceil(KEY_BITMAP_CHUNK_WORDS) {
+            words.clear();
+            self.chunk_words(chunk, &mut words);
             buffer.clear();
             buffer.extend(words.iter().flat_map(|word| word.to_le_bytes()));
             encoder.write_all(&buffer).map_err(io)?;
@@ -363,7 +369,7 @@ impl KeyBitmapExpr {
             data_type,
             base,
             bits,
-            words: Arc::new(words),
+            words: words.into(),
             chunks: cut.then(|| Arc::new(chunks)),
             keys,
             prefilter: Arc::default(),
@@ -398,7 +404,7 @@ impl KeyBitmapExpr {
             }
             let from = first * KEY_BITMAP_CHUNK_WORDS;
             let to = (end * KEY_BITMAP_CHUNK_WORDS).min(word_count);
-            words.extend_from_slice(&self.words[from..to]);
+            self.words.copy_to(from, to, &mut words);
             words.resize((end - first) * KEY_BITMAP_CHUNK_WORDS, 0);
         }
         Self {
@@ -406,7 +412,7 @@ impl KeyBitmapExpr {
             data_type: self.data_type.clone(),
             base: self.base,
             bits: self.bits,
-            words: Arc::new(words),
+            words: words.into(),
             chunks: Some(Arc::new(chunks)),
             keys: self.keys,
             prefilter: Arc::default(),
@@ -445,7 +451,9 @@ impl KeyBitmapExpr {
                 Some(index) if index < kept => at as usize == index,
                 _ => at == CHUNK_LEFT_OUT,
             });
-        run.then_some((first, self.words.as_slice()))
+        // A cut bitmap's words are whole.
+        run.then_some(first)
+            .zip(self.words.whole().map(|words| words.as_slice()))
     }
 
     /// Rebuild a window ([`Self::window`]) received on the wire: `bytes`
@@ -482,25 +490,33 @@ impl KeyBitmapExpr {
         for (at, chunk) in (first..first + kept).enumerate() {
             chunks[chunk] = at as u32;
         }
-        let words = le_words(bytes).collect();
+        let words: Vec<u64> = le_words(bytes).collect();
         Ok(Self {
             input,
             data_type,
             base,
             bits,
-            words: Arc::new(words),
+            words: words.into(),
             chunks: Some(Arc::new(chunks)),
             keys,
             prefilter: Arc::default(),
         })
     }
 
-    /// The words of a bitmap that is not cut (a cut one's chunks left out
-    /// as all ones).
-    fn whole_words(&self) -> std::borrow::Cow<'_, [u64]> {
-        match &self.chunks {
-            None => std::borrow::Cow::Borrowed(self.words.as_slice()),
-            Some(_) => std::borrow::Cow::Owned(le_words(&self.to_bytes()).collect()),
+    /// Append the words of chunk `chunk` (of [`KEY_BITMAP_CHUNK_WORDS`],
+    /// the last one short) to `out`: a cut bitmap's chunks left out as all
+    /// ones (their values pass).
+    fn chunk_words(&self, chunk: usize, out: &mut Vec<u64>) {
+        let word_count = words_for(self.bits);
+        let first = chunk * KEY_BITMAP_CHUNK_WORDS;
+        let count = KEY_BITMAP_CHUNK_WORDS.min(word_count - first);
+        match self.chunks.as_ref().map(|chunks| chunks[chunk]) {
+            None => self.words.copy_to(first, first + count, out),
+            Some(CHUNK_LEFT_OUT) => out.resize(out.len() + count, u64::MAX),
+            Some(at) => {
+                let at = at as usize * KEY_BITMAP_CHUNK_WORDS;
+                self.words.copy_to(at, at + count, out);
+            }
         }
     }
 
@@ -532,32 +548,24 @@ impl KeyBitmapExpr {
     /// The bitmap's words as little-endian bytes, for the wire (a cut
     /// bitmap's chunks left out as all ones: their values pass).
     pub fn to_bytes(&self) -> Vec<u8> {
-        let Some(chunks) = &self.chunks else {
-            return self
-                .words
-                .iter()
-                .flat_map(|word| word.to_le_bytes())
-                .collect();
-        };
         let word_count = words_for(self.bits);
         let mut bytes = Vec::with_capacity(word_count * 8);
-        for (chunk, &at) in chunks.iter().enumerate() {
-            let first = chunk * KEY_BITMAP_CHUNK_WORDS;
-            let count = KEY_BITMAP_CHUNK_WORDS.min(word_count - first);
-            for word in 0..count {
-                let word = match at {
-                    CHUNK_LEFT_OUT => u64::MAX,
-                    at => self.words[at as usize * KEY_BITMAP_CHUNK_WORDS + word],
-                };
-                bytes.extend_from_slice(&word.to_le_bytes());
-            }
+        let mut words = Vec::with_capacity(KEY_BITMAP_CHUNK_WORDS);
+        for chunk in 0..word_count.div_ceil(KEY_BITMAP_CHUNK_WORDS) {
+            words.clear();
+            self.chunk_words(chunk, &mut words);
+            bytes.extend(words.iter().flat_map(|word| word.to_le_bytes()));
         }
         bytes
     }
 
     /// Bytes of the bitmap, as held.
     pub fn byte_len(&self) -> usize {
-        self.words.len() * 8 + self.chunks.as_ref().map_or(0, |chunks| chunks.len() * 4)
+        let words = match &self.words {
+            KeyWords::Whole(words) => words.len() * 8,
+            packed => packed.byte_len(),
+        };
+        words + self.chunks.as_ref().map_or(0, |chunks| chunks.len() * 4)
     }
 
     /// Number of distinct keys set.
@@ -566,13 +574,15 @@ impl KeyBitmapExpr {
     }
 
     /// The prefilter of a whole bitmap, built on first use, if it is large
-    /// and sparse enough to have one.
+    /// and sparse enough to have one (and its words are not packed: one
+    /// packed is the compute node's, and probed there seldom if ever).
     fn prefilter(&self) -> Option<&Prefilter> {
         if self.chunks.is_some() {
             return None;
         }
+        let words = self.words.whole()?;
         self.prefilter
-            .get_or_init(|| Prefilter::build(&self.words))
+            .get_or_init(|| Prefilter::build(words))
             .as_ref()
     }
 
@@ -582,7 +592,20 @@ impl KeyBitmapExpr {
         } else {
             cast(values, &self.data_type)?
         };
-        let (base, bits, words) = (self.base, self.bits, self.words.as_slice());
+        let (base, bits) = (self.base, self.bits);
+        if let KeyWords::Packed(packed) = &self.words {
+            let contains = |value: i64| {
+                let offset = value.wrapping_sub(base) as u64;
+                offset < bits && packed.word((offset >> 6) as usize) >> (offset & 63) & 1 == 1
+            };
+            let matched = collect_matches(&values, contains)?;
+            return Ok(BooleanArray::new(matched, values.logical_nulls()));
+        }
+        let words = self
+            .words
+            .whole()
+            .expect("packed words answered above")
+            .as_slice();
         let matched = match &self.chunks {
             None => match self.prefilter() {
                 None => {
@@ -1045,6 +1068,49 @@ mod tests {
                 None,
             );
             assert!(refused.is_err(), "{name}");
+        }
+    }
+
+    /// A bitmap made of packed words (as the compute node holds a build
+    /// side's) answers, travels and cuts into windows exactly as the same
+    /// bitmap made of whole words, in fewer bytes.
+    #[test]
+    fn a_bitmap_of_packed_words_answers_and_travels_as_one_of_whole_words() {
+        // TPC-H-like order keys (8 values of 32), a third of them, over
+        // 40 chunks, and a stretch with none.
+        let keys: Vec<i64> = (0..40 * 65_536i64)
+            .filter(|value| value % 32 < 8 && (value / 32 + value) % 3 == 0)
+            .filter(|value| !(600_000..900_000).contains(value))
+            .map(|value| value + 1_000)
+            .collect();
+        let keys: ArrayRef = Arc::new(Int64Array::from(keys));
+        let whole = KeyBitmapExpr::try_new(column(), DataType::Int64, &keys).unwrap();
+        let words =
+            KeyWords::from(le_words(&whole.to_bytes()).collect::<Vec<_>>()).packed_if_smaller(0.75);
+        assert!(words.whole().is_none(), "packed");
+        let packed = KeyBitmapExpr::from_words(
+            column(),
+            DataType::Int64,
+            whole.base(),
+            whole.bits(),
+            words,
+            whole.keys(),
+        )
+        .unwrap();
+        assert!(
+            packed.byte_len() < whole.byte_len() / 2,
+            "{}",
+            packed.byte_len()
+        );
+        assert_eq!(packed, whole);
+        let probe: ArrayRef = Arc::new(Int64Array::from_iter_values(-5..45 * 65_536));
+        assert_eq!(packed.probe(&probe).unwrap(), whole.probe(&probe).unwrap());
+        assert_eq!(packed.to_bytes(), whole.to_bytes());
+        assert_eq!(packed.to_zstd().unwrap(), whole.to_zstd().unwrap());
+        for (low, high) in [(0, 10), (500_000, 1_000_000), (2_000_000, 9_000_000)] {
+            let (a, b) = (packed.window(low, high), whole.window(low, high));
+            assert_eq!(a, b, "[{low}, {high}]");
+            assert_eq!(a.window_words(), b.window_words());
         }
     }
 

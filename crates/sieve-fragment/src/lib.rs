@@ -40,6 +40,7 @@ mod deletions;
 mod envelope;
 mod errors;
 mod join_filter;
+mod key_words;
 mod like;
 mod limits;
 mod min_max;
@@ -76,6 +77,7 @@ pub use join_filter::{
     JOIN_FILTER_ID_BYTES, JOIN_FILTER_PART_BYTES_MAX, REGISTER_JOIN_FILTER_ACTION,
     RELEASE_JOIN_FILTER_ACTION,
 };
+pub use key_words::{KeyWords, PackedWords};
 pub use like::{fast_like, OrderedSubstringsExpr};
 pub use limits::{
     check_expression_limits, dismantle, ExpressionShape, EXPRESSION_DEPTH_MAX,
