@@ -559,7 +559,20 @@ impl KeyBitmapExpr {
         bytes
     }
 
-    /// Bytes of the bitmap, as held.
+    /// Bytes of the bitmap's words as they travel, before compression: a
+    /// whole bitmap's all (packed or not), a cut one's chunks kept. What
+    /// decides how a bitmap is sent (compressed, in windows).
+    pub fn word_bytes(&self) -> usize {
+        self.words.len() * 8
+    }
+
+    /// Whether the words are held packed ([`KeyWords::Packed`]).
+    pub fn is_packed(&self) -> bool {
+        self.words.whole().is_none()
+    }
+
+    /// Bytes of the bitmap, as held (packed words take fewer than
+    /// [`Self::word_bytes`]).
     pub fn byte_len(&self) -> usize {
         let words = match &self.words {
             KeyWords::Whole(words) => words.len() * 8,

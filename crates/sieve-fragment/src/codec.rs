@@ -369,7 +369,7 @@ impl PhysicalExtensionCodec for SieveCodec {
                         plan_datafusion_err!("cannot encode join filter expression: {error}")
                     });
             }
-            let (words, words_zstd) = if bitmap.byte_len() >= KEY_BITMAP_ZSTD_BYTES_MIN {
+            let (words, words_zstd) = if bitmap.word_bytes() >= KEY_BITMAP_ZSTD_BYTES_MIN {
                 (Vec::new(), bitmap.to_zstd()?)
             } else {
                 (bitmap.to_bytes(), Vec::new())

@@ -740,10 +740,15 @@ fn bits_membership(
         return as_values(parts);
     }
     let bitmap = KeyBitmapExpr::from_words(Arc::clone(key), data_type, base, span, words, keys)?;
+    let packed = if bitmap.is_packed() {
+        format!(", held packed in {} bytes", bitmap.byte_len())
+    } else {
+        String::new()
+    };
     parts.push(format!(
-        "bitmap ({keys} keys over {} values, {} bytes, collected as a bitmap)",
+        "bitmap ({keys} keys over {} values, {} bytes, collected as a bitmap{packed})",
         bitmap.bits(),
-        bitmap.byte_len()
+        bitmap.word_bytes()
     ));
     Ok(Some(Arc::new(bitmap)))
 }

@@ -75,11 +75,11 @@ impl JoinFilterParts {
             let parted = (bytes_min > 0)
                 .then(|| conjunct.downcast_ref::<KeyBitmapExpr>())
                 .flatten()
-                .filter(|bitmap| !bitmap.is_cut() && bitmap.byte_len() >= bytes_min)
+                .filter(|bitmap| !bitmap.is_cut() && bitmap.word_bytes() >= bytes_min)
                 .and_then(|bitmap| {
                     let column = bitmap.input().downcast_ref::<Column>()?;
                     let index = schema.index_of(column.name()).ok()?;
-                    let (mut total, whole) = (0usize, bitmap.byte_len());
+                    let (mut total, whole) = (0usize, bitmap.word_bytes());
                     for slice in units.clone() {
                         let (low, high) = slice_bounds(slice, schema, index)?;
                         let bytes = bitmap.window_bytes(low, high);
@@ -124,7 +124,7 @@ impl JoinFilterParts {
         let bytes: usize = self
             .bitmaps
             .iter()
-            .map(|(bitmap, _)| bitmap.byte_len())
+            .map(|(bitmap, _)| bitmap.word_bytes())
             .sum();
         format!(
             "{} key bitmap(s) of {bytes} bytes sent in windows, one with each slice request",
