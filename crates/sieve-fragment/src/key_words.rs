@@ -145,12 +145,12 @@ impl KeyWords {
         let Self::Whole(words) = &self else {
             return self;
         };
-        let packed = PackedWords::pack(words);
-        if (packed.byte_len() as f64) < words.len() as f64 * 8.0 * ratio_max {
-            Self::Packed(Arc::new(packed))
-        } else {
-            self
+        // Sized first: a dense bitmap is left whole without building its
+        // packed copy (as words, up to the whole bitmap's bytes again).
+        if PackedWords::packed_bytes(words) as f64 >= words.len() as f64 * 8.0 * ratio_max {
+            return self;
         }
+        Self::Packed(Arc::new(PackedWords::pack(words)))
     }
 }
 
@@ -209,6 +209,40 @@ pub struct PackedWords {
 }
 
 impl PackedWords {
+    /// What each chunk of `words` would take in its smallest form.
+    fn chunk_sizes(words: &[u64]) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+        words.chunks(KEY_BITMAP_CHUNK_WORDS).map(|chunk| {
+            let keys: usize = chunk.iter().map(|word| word.count_ones() as usize).sum();
+            let non_zero_bytes: usize = chunk
+                .iter()
+                .map(|word| word.to_le_bytes().iter().filter(|byte| **byte != 0).count())
+                .sum();
+            (
+                keys,
+                2 * keys,
+                BYTES_OVERHEAD + non_zero_bytes,
+                chunk.len() * 8,
+            )
+        })
+    }
+
+    /// Bytes [`Self::pack`] would hold for `words` (without its vectors'
+    /// spare capacity, which it sheds), counted without building it.
+    pub fn packed_bytes(words: &[u64]) -> usize {
+        Self::chunk_sizes(words)
+            .map(|(keys, as_keys, as_bytes, as_words)| {
+                let data = if keys == 0 {
+                    0
+                } else if as_keys <= as_bytes && as_keys <= as_words {
+                    as_keys
+                } else {
+                    as_bytes.min(as_words)
+                };
+                data + std::mem::size_of::<Chunk>()
+            })
+            .sum()
+    }
+
     /// `words` packed.
     pub fn pack(words: &[u64]) -> Self {
         let mut packed = Self {
@@ -220,15 +254,10 @@ impl PackedWords {
             bytes: Vec::new(),
             words: Vec::new(),
         };
-        for chunk in words.chunks(KEY_BITMAP_CHUNK_WORDS) {
-            let keys: usize = chunk.iter().map(|word| word.count_ones() as usize).sum();
-            let non_zero_bytes: usize = chunk
-                .iter()
-                .map(|word| word.to_le_bytes().iter().filter(|byte| **byte != 0).count())
-                .sum();
-            let as_keys = 2 * keys;
-            let as_bytes = BYTES_OVERHEAD + non_zero_bytes;
-            let as_words = chunk.len() * 8;
+        for (chunk, (keys, as_keys, as_bytes, as_words)) in words
+            .chunks(KEY_BITMAP_CHUNK_WORDS)
+            .zip(Self::chunk_sizes(words))
+        {
             let form = if keys == 0 {
                 Chunk::Zero
             } else if as_keys <= as_bytes && as_keys <= as_words {
@@ -487,6 +516,7 @@ mod tests {
             assert_eq!(out[0], 42);
             assert_eq!(&out[1..], &words[from..to], "words {from}..{to}");
         }
+        assert_eq!(PackedWords::packed_bytes(&words), packed.byte_len());
         let whole = KeyWords::from(words.clone());
         let packed = KeyWords::from(Arc::new(packed));
         assert_eq!(packed.count_ones(), whole.count_ones());
