@@ -38,25 +38,35 @@
 //! Both plans give the same counts: a set per group counts each non-NULL
 //! value once, as grouping by the value and counting non-NULL groups does.
 //!
-//! The kept `count` is [`CountBySets`], DataFusion's own `count` with one
-//! change: its groups accumulator starts afresh once it has emitted every
-//! group. DataFusion's accumulator empties its set on emitting but keeps
-//! the set's capacity, and reports its memory by capacity; an aggregation
-//! under memory pressure emits (a partial one) or spills (a final one) to
-//! give memory back, could not shrink its reservation, and failed (TPC-H
-//! Q16 at SF 100 under a 1 GB statement pool: `Resources exhausted` in its
-//! partial aggregation).
+//! The kept `count` is [`CountBySets`], DataFusion's own `count` whose
+//! groups accumulator for distinct integers is [`DistinctPairs`]:
+//! DataFusion's set of (group, value) pairs, with its memory told to the
+//! pool before it is taken. It starts afresh once it has emitted every
+//! group (DataFusion's kept its set's capacity, and so its reservation:
+//! TPC-H Q16 at SF 100 under a 1 GB statement pool failed with `Resources
+//! exhausted` in its partial aggregation). Its size counts the larger
+//! table its next batch may grow the set into, so that a pool that cannot
+//! grant it makes the aggregation emit or spill before the set doubles
+//! (DataFusion's reported the doubled table once held, and never the
+//! moment it held both tables).
 
 use std::any::Any;
+use std::hash::Hash;
+use std::mem::size_of;
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, BooleanArray};
-use arrow::datatypes::{
-    DataType, FieldRef, Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type, UInt32Type,
-    UInt64Type, UInt8Type,
+use arrow::array::{
+    Array, ArrayRef, AsArray, BooleanArray, Int64Array, ListArray, ListBuilder, PrimitiveArray,
+    PrimitiveBuilder,
 };
+use arrow::buffer::{OffsetBuffer, ScalarBuffer};
+use arrow::datatypes::{
+    ArrowPrimitiveType, DataType, Field, FieldRef, Int16Type, Int32Type, Int64Type, Int8Type,
+    UInt16Type, UInt32Type, UInt64Type, UInt8Type,
+};
+use datafusion::common::hash_utils::RandomState;
 use datafusion::common::tree_node::Transformed;
-use datafusion::common::{Result, ScalarValue};
+use datafusion::common::{internal_err, DataFusionError, HashSet, Result, ScalarValue};
 use datafusion::logical_expr::expr::{AggregateFunction, AggregateFunctionParams};
 use datafusion::logical_expr::function::{AccumulatorArgs, StateFieldsArgs};
 use datafusion::logical_expr::utils::AggregateOrderSensitivity;
@@ -68,7 +78,7 @@ use datafusion::optimizer::optimizer::ApplyOrder;
 use datafusion::optimizer::single_distinct_to_groupby::SingleDistinctToGroupBy;
 use datafusion::optimizer::{OptimizerConfig, OptimizerRule};
 use datafusion::physical_plan::udaf::StatisticsArgs;
-use datafusion_functions_aggregate_common::aggregate::count_distinct::PrimitiveDistinctCountGroupsAccumulator;
+use datafusion_functions_aggregate_common::aggregate::groups_accumulator::accumulate::accumulate;
 
 use crate::SieveConfig;
 
@@ -253,27 +263,22 @@ impl AggregateUDFImpl for CountBySets {
         &self,
         args: AccumulatorArgs,
     ) -> Result<Box<dyn GroupsAccumulator>> {
-        let fresh: Option<fn() -> Box<dyn GroupsAccumulator>> = match (
-            args.is_distinct,
-            args.expr_fields.first().map(|f| f.data_type()),
-        ) {
-            (true, Some(DataType::Int8)) => Some(fresh_set::<Int8Type>),
-            (true, Some(DataType::Int16)) => Some(fresh_set::<Int16Type>),
-            (true, Some(DataType::Int32)) => Some(fresh_set::<Int32Type>),
-            (true, Some(DataType::Int64)) => Some(fresh_set::<Int64Type>),
-            (true, Some(DataType::UInt8)) => Some(fresh_set::<UInt8Type>),
-            (true, Some(DataType::UInt16)) => Some(fresh_set::<UInt16Type>),
-            (true, Some(DataType::UInt32)) => Some(fresh_set::<UInt32Type>),
-            (true, Some(DataType::UInt64)) => Some(fresh_set::<UInt64Type>),
-            _ => None,
-        };
-        match fresh {
-            Some(fresh) if args.exprs.len() == 1 => Ok(Box::new(FreshAfterEmitting {
-                inner: fresh(),
-                fresh,
-            })),
-            _ => self.count().create_groups_accumulator(args),
+        if !args.is_distinct || args.exprs.len() != 1 {
+            return self.count().create_groups_accumulator(args);
         }
+        let pairs: Box<dyn GroupsAccumulator> =
+            match args.expr_fields.first().map(|f| f.data_type()) {
+                Some(DataType::Int8) => Box::new(DistinctPairs::<Int8Type>::default()),
+                Some(DataType::Int16) => Box::new(DistinctPairs::<Int16Type>::default()),
+                Some(DataType::Int32) => Box::new(DistinctPairs::<Int32Type>::default()),
+                Some(DataType::Int64) => Box::new(DistinctPairs::<Int64Type>::default()),
+                Some(DataType::UInt8) => Box::new(DistinctPairs::<UInt8Type>::default()),
+                Some(DataType::UInt16) => Box::new(DistinctPairs::<UInt16Type>::default()),
+                Some(DataType::UInt32) => Box::new(DistinctPairs::<UInt32Type>::default()),
+                Some(DataType::UInt64) => Box::new(DistinctPairs::<UInt64Type>::default()),
+                _ => return self.count().create_groups_accumulator(args),
+            };
+        Ok(pairs)
     }
 
     fn create_sliding_accumulator(&self, args: AccumulatorArgs) -> Result<Box<dyn Accumulator>> {
@@ -323,36 +328,145 @@ impl AggregateUDFImpl for CountBySets {
     }
 }
 
-fn fresh_set<T>() -> Box<dyn GroupsAccumulator>
+/// The distinct (group, value) pairs of a grouped `count(DISTINCT x)` of
+/// integers. It is DataFusion's `PrimitiveDistinctCountGroupsAccumulator`
+/// (the same pairs in one hash set, the same state, a list of values per
+/// group), with three changes for the memory pool.
+///
+/// - **Its size counts the growth the next batch may need.** A hash set
+///   grows by allocating a table of twice the buckets and moving its
+///   entries, so for that moment it holds both tables. DataFusion's
+///   accumulator reports its size after a batch, when the new table is in
+///   place. An aggregation's reservation was asked for the larger table
+///   only once it was held, and never for both. Here, once the set has less
+///   room than the most values one batch has brought, its size counts the
+///   table it would grow into and the one it would leave. A pool that
+///   refuses them makes the aggregation emit (partial) or spill (final)
+///   before the set grows, not after.
+/// - **Once it has emitted every group, it starts afresh.** DataFusion's
+///   empties its set but keeps the set's capacity, and reports its size by
+///   capacity: an aggregation that emitted or spilled to give memory back
+///   could not shrink its reservation (Q16 at SF 100 under a 1 GB pool
+///   failed with `Resources exhausted`).
+/// - **The pairs left after a partial emit go to a set sized for them**,
+///   not one grown from empty.
+struct DistinctPairs<T: ArrowPrimitiveType>
 where
-    T: arrow::datatypes::ArrowPrimitiveType + Send + std::fmt::Debug,
-    T::Native: Eq + std::hash::Hash,
+    T::Native: Eq + Hash,
 {
-    Box::new(PrimitiveDistinctCountGroupsAccumulator::<T>::new())
+    seen: HashSet<(usize, T::Native), RandomState>,
+    counts: Vec<i64>,
+    /// The most values one update or merge has brought.
+    batch_values: usize,
 }
 
-/// A groups accumulator replaced by a new one once it has emitted every
-/// group, so that its memory (and the size it reports) goes back.
-struct FreshAfterEmitting {
-    inner: Box<dyn GroupsAccumulator>,
-    fresh: fn() -> Box<dyn GroupsAccumulator>,
-}
-
-impl std::fmt::Debug for FreshAfterEmitting {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.write_str("FreshAfterEmitting")
-    }
-}
-
-impl FreshAfterEmitting {
-    fn emitted(&mut self, emit_to: EmitTo) {
-        if matches!(emit_to, EmitTo::All) {
-            self.inner = (self.fresh)();
+impl<T: ArrowPrimitiveType> Default for DistinctPairs<T>
+where
+    T::Native: Eq + Hash,
+{
+    fn default() -> Self {
+        Self {
+            seen: HashSet::default(),
+            counts: Vec::new(),
+            batch_values: 0,
         }
     }
 }
 
-impl GroupsAccumulator for FreshAfterEmitting {
+impl<T: ArrowPrimitiveType> std::fmt::Debug for DistinctPairs<T>
+where
+    T::Native: Eq + Hash,
+{
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("DistinctPairs")
+            .field("pairs", &self.seen.len())
+            .field("groups", &self.counts.len())
+            .finish()
+    }
+}
+
+/// The buckets of a hash set (hashbrown's) that holds `capacity` entries.
+fn buckets_of_capacity(capacity: usize) -> usize {
+    match capacity {
+        0 => 0,
+        // A table of fewer than 8 buckets holds one less than its buckets.
+        1..=7 => (capacity + 1).next_power_of_two(),
+        // A larger one holds 7 in every 8.
+        _ => (capacity.saturating_mul(8) / 7).next_power_of_two(),
+    }
+}
+
+/// The buckets of the hash set (hashbrown's) that `entries` entries grow
+/// one into.
+fn buckets_for_entries(entries: usize) -> usize {
+    match entries {
+        0 => 0,
+        1..=3 => 4,
+        4..=7 => 8,
+        _ => (entries.saturating_mul(8) / 7).next_power_of_two(),
+    }
+}
+
+impl<T: ArrowPrimitiveType> DistinctPairs<T>
+where
+    T::Native: Eq + Hash,
+{
+    /// The bytes of a table of `buckets`: an entry and a control byte each.
+    fn table_bytes(buckets: usize) -> usize {
+        buckets.saturating_mul(size_of::<(usize, T::Native)>() + 1)
+    }
+
+    /// The bytes the set holds, or, if the next batch may grow it, the
+    /// bytes it holds while growing.
+    fn set_bytes(&self) -> usize {
+        let capacity = self.seen.capacity();
+        let room = capacity - self.seen.len();
+        if self.batch_values > room {
+            // Grown one entry at a time, a set that doubles more than once
+            // frees each table but the last two.
+            let next = Self::table_bytes(buckets_for_entries(self.seen.len() + self.batch_values));
+            next.saturating_add(next / 2)
+        } else {
+            Self::table_bytes(buckets_of_capacity(capacity))
+        }
+    }
+
+    fn insert(&mut self, group: usize, value: T::Native) {
+        if self.seen.insert((group, value)) {
+            self.counts[group] += 1;
+        }
+    }
+
+    /// Keeps the pairs of the groups after the first `emitted` (whose
+    /// counts are already taken), renumbered from 0, in a set sized for
+    /// them; a fresh set if none are left.
+    fn keep_after(&mut self, emitted: usize, mut emit: impl FnMut(usize, T::Native)) {
+        let left = self.counts.iter().sum::<i64>() as usize;
+        let mut remaining = if left == 0 {
+            HashSet::default()
+        } else {
+            HashSet::with_capacity_and_hasher(left, RandomState::default())
+        };
+        for (group, value) in self.seen.drain() {
+            if group < emitted {
+                emit(group, value);
+            } else {
+                remaining.insert((group - emitted, value));
+            }
+        }
+        self.seen = remaining;
+        if self.counts.is_empty() {
+            self.counts = Vec::new();
+        }
+    }
+}
+
+impl<T> GroupsAccumulator for DistinctPairs<T>
+where
+    T: ArrowPrimitiveType + Send + std::fmt::Debug,
+    T::Native: Eq + Hash,
+{
     fn update_batch(
         &mut self,
         values: &[ArrayRef],
@@ -360,20 +474,56 @@ impl GroupsAccumulator for FreshAfterEmitting {
         opt_filter: Option<&BooleanArray>,
         total_num_groups: usize,
     ) -> Result<()> {
-        self.inner
-            .update_batch(values, group_indices, opt_filter, total_num_groups)
+        let [values] = values else {
+            return internal_err!("count(DISTINCT) takes one argument, got {}", values.len());
+        };
+        self.counts.resize(total_num_groups, 0);
+        self.batch_values = self.batch_values.max(values.len());
+        accumulate(
+            group_indices,
+            values.as_primitive::<T>(),
+            opt_filter,
+            |group, value| self.insert(group, value),
+        );
+        Ok(())
     }
 
     fn evaluate(&mut self, emit_to: EmitTo) -> Result<ArrayRef> {
-        let result = self.inner.evaluate(emit_to)?;
-        self.emitted(emit_to);
-        Ok(result)
+        let counts = emit_to.take_needed(&mut self.counts);
+        self.keep_after(counts.len(), |_, _| {});
+        Ok(Arc::new(Int64Array::from(counts)))
     }
 
     fn state(&mut self, emit_to: EmitTo) -> Result<Vec<ArrayRef>> {
-        let result = self.inner.state(emit_to)?;
-        self.emitted(emit_to);
-        Ok(result)
+        let counts = emit_to.take_needed(&mut self.counts);
+        let mut offsets = Vec::with_capacity(counts.len() + 1);
+        offsets.push(0i32);
+        let mut total = 0i32;
+        for &count in &counts {
+            total = i32::try_from(count)
+                .ok()
+                .and_then(|count| total.checked_add(count))
+                .ok_or_else(|| {
+                    DataFusionError::ResourcesExhausted(format!(
+                        "count(DISTINCT): more than {} distinct values in one state batch",
+                        i32::MAX
+                    ))
+                })?;
+            offsets.push(total);
+        }
+        let mut values = vec![T::Native::default(); total as usize];
+        let mut cursors = offsets[..counts.len()].to_vec();
+        self.keep_after(counts.len(), |group, value| {
+            values[cursors[group] as usize] = value;
+            cursors[group] += 1;
+        });
+        let list = ListArray::new(
+            Arc::new(Field::new_list_field(T::DATA_TYPE, true)),
+            OffsetBuffer::new(offsets.into()),
+            Arc::new(PrimitiveArray::<T>::new(ScalarBuffer::from(values), None)),
+            None,
+        );
+        Ok(vec![Arc::new(list)])
     }
 
     fn merge_batch(
@@ -382,8 +532,22 @@ impl GroupsAccumulator for FreshAfterEmitting {
         group_indices: &[usize],
         total_num_groups: usize,
     ) -> Result<()> {
-        self.inner
-            .merge_batch(values, group_indices, total_num_groups)
+        let [values] = values else {
+            return internal_err!("count(DISTINCT) merges one state, got {}", values.len());
+        };
+        self.counts.resize(total_num_groups, 0);
+        let lists = values.as_list::<i32>();
+        let offsets = lists.offsets();
+        let inner = lists.values().as_primitive::<T>().values();
+        let brought = (offsets[offsets.len() - 1] - offsets[0]) as usize;
+        self.batch_values = self.batch_values.max(brought);
+        for (row, &group) in group_indices.iter().enumerate() {
+            let (start, end) = (offsets[row] as usize, offsets[row + 1] as usize);
+            for &value in &inner[start..end] {
+                self.insert(group, value);
+            }
+        }
+        Ok(())
     }
 
     fn convert_to_state(
@@ -391,11 +555,25 @@ impl GroupsAccumulator for FreshAfterEmitting {
         values: &[ArrayRef],
         opt_filter: Option<&BooleanArray>,
     ) -> Result<Vec<ArrayRef>> {
-        self.inner.convert_to_state(values, opt_filter)
+        let [values] = values else {
+            return internal_err!("count(DISTINCT) takes one argument, got {}", values.len());
+        };
+        let values = values.as_primitive::<T>();
+        let mut builder = ListBuilder::new(PrimitiveBuilder::<T>::with_capacity(values.len()))
+            .with_field(Arc::new(Field::new_list_field(T::DATA_TYPE, true)));
+        for row in 0..values.len() {
+            let included = values.is_valid(row)
+                && opt_filter.is_none_or(|filter| filter.is_valid(row) && filter.value(row));
+            if included {
+                builder.values().append_value(values.value(row));
+            }
+            builder.append(true);
+        }
+        Ok(vec![Arc::new(builder.finish())])
     }
 
     fn size(&self) -> usize {
-        self.inner.size()
+        size_of::<Self>() + self.set_bytes() + self.counts.capacity() * size_of::<i64>()
     }
 }
 
@@ -524,5 +702,155 @@ mod tests {
         for plan in [ungrouped, strings, one_table] {
             assert!(rewritten(plan.clone()), "not rewritten:\n{plan}");
         }
+    }
+
+    /// A small deterministic generator (xorshift).
+    fn next(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
+    #[test]
+    fn distinct_pairs_count_as_a_set_does_through_partial_emits_and_merges() {
+        use arrow::array::Int64Array;
+        use std::collections::{BTreeMap, BTreeSet};
+
+        let mut rng = 0x5eed_u64;
+        // Reference: the distinct non-NULL values of each key, not filtered.
+        let mut expected: BTreeMap<u64, BTreeSet<i64>> = BTreeMap::new();
+        let mut partial = DistinctPairs::<Int64Type>::default();
+        // The key of each of the partial's groups, in group order.
+        let mut partial_keys: Vec<u64> = Vec::new();
+        let mut final_ = DistinctPairs::<Int64Type>::default();
+        let mut final_keys: Vec<u64> = Vec::new();
+        let mut merge = |state: &ArrayRef, keys: &[u64], final_: &mut DistinctPairs<Int64Type>| {
+            let groups: Vec<usize> = keys
+                .iter()
+                .map(|key| match final_keys.iter().position(|k| k == key) {
+                    Some(group) => group,
+                    None => {
+                        final_keys.push(*key);
+                        final_keys.len() - 1
+                    }
+                })
+                .collect();
+            final_
+                .merge_batch(std::slice::from_ref(state), &groups, final_keys.len())
+                .unwrap();
+        };
+        for batch in 0..40 {
+            let rows = 1 + (next(&mut rng) % 700) as usize;
+            let mut groups = Vec::with_capacity(rows);
+            let mut values = Vec::with_capacity(rows);
+            let mut filter = Vec::with_capacity(rows);
+            for _ in 0..rows {
+                let key = next(&mut rng) % 37;
+                let group = match partial_keys.iter().position(|k| *k == key) {
+                    Some(group) => group,
+                    None => {
+                        partial_keys.push(key);
+                        partial_keys.len() - 1
+                    }
+                };
+                let value = (next(&mut rng) % 97) as i64 - 40;
+                let value = (next(&mut rng) % 11 != 0).then_some(value);
+                let kept = next(&mut rng) % 9 != 0;
+                if let (Some(value), true) = (value, kept) {
+                    expected.entry(key).or_default().insert(value);
+                }
+                groups.push(group);
+                values.push(value);
+                filter.push(kept);
+            }
+            let values = Arc::new(Int64Array::from(values)) as ArrayRef;
+            partial
+                .update_batch(
+                    &[values],
+                    &groups,
+                    Some(&BooleanArray::from(filter)),
+                    partial_keys.len(),
+                )
+                .unwrap();
+            // Now and then, emit the first groups (or all) as a partial
+            // aggregation under memory pressure does.
+            if batch % 3 == 2 {
+                let n = 1 + (next(&mut rng) as usize) % partial_keys.len();
+                let emit_to = if n == partial_keys.len() && batch % 2 == 0 {
+                    EmitTo::All
+                } else {
+                    EmitTo::First(n)
+                };
+                let state = partial.state(emit_to).unwrap().remove(0);
+                let keys: Vec<u64> = partial_keys.drain(..n).collect();
+                assert_eq!(state.len(), keys.len());
+                merge(&state, &keys, &mut final_);
+            }
+        }
+        let state = partial.state(EmitTo::All).unwrap().remove(0);
+        merge(&state, &partial_keys, &mut final_);
+        // Emptied, it holds nothing; its size is the set the next batch
+        // may need.
+        assert_eq!((partial.seen.capacity(), partial.counts.capacity()), (0, 0));
+        let next = DistinctPairs::<Int64Type>::table_bytes(buckets_for_entries(700));
+        assert!(partial.size() <= size_of::<DistinctPairs<Int64Type>>() + next * 3 / 2);
+
+        let counts = final_.evaluate(EmitTo::All).unwrap();
+        let counts = counts.as_primitive::<Int64Type>();
+        assert_eq!(counts.len(), final_keys.len());
+        for (group, key) in final_keys.iter().enumerate() {
+            let want = expected.get(key).map_or(0, |values| values.len()) as i64;
+            assert_eq!(counts.value(group), want, "key {key}");
+        }
+        assert_eq!((final_.seen.capacity(), final_.counts.capacity()), (0, 0));
+    }
+
+    #[test]
+    fn a_distinct_pairs_set_reports_both_tables_before_it_grows() {
+        use arrow::array::Int64Array;
+
+        let mut pairs = DistinctPairs::<Int64Type>::default();
+        let table = |capacity: usize| {
+            DistinctPairs::<Int64Type>::table_bytes(buckets_of_capacity(capacity))
+        };
+        let mut value = 0i64;
+        let mut grew = 0;
+        for batch in 0..200 {
+            let declared = pairs.size();
+            let before = pairs.seen.capacity();
+            let values: Vec<i64> = (0..1000)
+                .map(|_| {
+                    value += 1;
+                    value
+                })
+                .collect();
+            let groups: Vec<usize> = values.iter().map(|v| (v % 5) as usize).collect();
+            pairs
+                .update_batch(
+                    &[Arc::new(Int64Array::from(values)) as ArrayRef],
+                    &groups,
+                    None,
+                    5,
+                )
+                .unwrap();
+            let after = pairs.seen.capacity();
+            assert_eq!(pairs.seen.len(), 1000 * (batch + 1));
+            // The first batch is the one whose size is not yet known.
+            if after != before && batch > 0 {
+                grew += 1;
+                // While growing, the set held its old and its new table.
+                assert!(
+                    declared >= table(before) + table(after),
+                    "batch {batch}: declared {declared} before growing {before} -> {after}",
+                );
+            }
+            // Once grown, what is held is what is reported (without the
+            // growth ahead, unless the next batch may need it).
+            if pairs.seen.capacity() - pairs.seen.len() >= 1000 {
+                assert_eq!(pairs.set_bytes(), table(after));
+            }
+        }
+        assert!(grew >= 6, "grew {grew} times");
     }
 }
