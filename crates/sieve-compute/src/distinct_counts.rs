@@ -335,14 +335,18 @@ impl AggregateUDFImpl for CountBySets {
 ///
 /// - **Its size counts the growth the next batch may need.** A hash set
 ///   grows by allocating a table of twice the buckets and moving its
-///   entries, so for that moment it holds both tables. DataFusion's
-///   accumulator reports its size after a batch, when the new table is in
-///   place. An aggregation's reservation was asked for the larger table
-///   only once it was held, and never for both. Here, once the set has less
-///   room than the most values one batch has brought, its size counts the
-///   table it would grow into and the one it would leave. A pool that
-///   refuses them makes the aggregation emit (partial) or spill (final)
-///   before the set grows, not after.
+///   entries, so for that moment it holds both. DataFusion's accumulator
+///   reports its size after a batch, when the new table is in place: an
+///   aggregation's reservation was asked for the larger table only once
+///   it was held, and never for both. Here, once the set has less room
+///   than the most values one batch has brought, its size counts the
+///   table it would grow into beside its own. A pool that refuses them
+///   makes the aggregation emit (partial) or spill (final) before the set
+///   doubles. Only the next doubling is counted: an empty set counts none
+///   (counting the table a whole batch of lists would need refused the
+///   final aggregation of Q16 at SF 100 right after it had spilled, and
+///   failed the query), and a batch that doubles a set more than once is
+///   counted after it, as DataFusion's are.
 /// - **Once it has emitted every group, it starts afresh.** DataFusion's
 ///   empties its set but keeps the set's capacity, and reports its size by
 ///   capacity: an aggregation that emitted or spilled to give memory back
@@ -397,17 +401,6 @@ fn buckets_of_capacity(capacity: usize) -> usize {
     }
 }
 
-/// The buckets of the hash set (hashbrown's) that `entries` entries grow
-/// one into.
-fn buckets_for_entries(entries: usize) -> usize {
-    match entries {
-        0 => 0,
-        1..=3 => 4,
-        4..=7 => 8,
-        _ => (entries.saturating_mul(8) / 7).next_power_of_two(),
-    }
-}
-
 impl<T: ArrowPrimitiveType> DistinctPairs<T>
 where
     T::Native: Eq + Hash,
@@ -417,18 +410,16 @@ where
         buckets.saturating_mul(size_of::<(usize, T::Native)>() + 1)
     }
 
-    /// The bytes the set holds, or, if the next batch may grow it, the
-    /// bytes it holds while growing.
+    /// The bytes the set holds, and, if the next batch may double it, the
+    /// bytes of the table it would grow into, held with this one while
+    /// the entries move.
     fn set_bytes(&self) -> usize {
         let capacity = self.seen.capacity();
-        let room = capacity - self.seen.len();
-        if self.batch_values > room {
-            // Grown one entry at a time, a set that doubles more than once
-            // frees each table but the last two.
-            let next = Self::table_bytes(buckets_for_entries(self.seen.len() + self.batch_values));
-            next.saturating_add(next / 2)
+        let held = Self::table_bytes(buckets_of_capacity(capacity));
+        if capacity > 0 && capacity - self.seen.len() < self.batch_values {
+            held.saturating_mul(3)
         } else {
-            Self::table_bytes(buckets_of_capacity(capacity))
+            held
         }
     }
 
@@ -790,11 +781,10 @@ mod tests {
         }
         let state = partial.state(EmitTo::All).unwrap().remove(0);
         merge(&state, &partial_keys, &mut final_);
-        // Emptied, it holds nothing; its size is the set the next batch
-        // may need.
+        // Emptied, it holds nothing, and counts nothing for its next batch
+        // (which can always start).
         assert_eq!((partial.seen.capacity(), partial.counts.capacity()), (0, 0));
-        let next = DistinctPairs::<Int64Type>::table_bytes(buckets_for_entries(700));
-        assert!(partial.size() <= size_of::<DistinctPairs<Int64Type>>() + next * 3 / 2);
+        assert_eq!(partial.size(), size_of::<DistinctPairs<Int64Type>>());
 
         let counts = final_.evaluate(EmitTo::All).unwrap();
         let counts = counts.as_primitive::<Int64Type>();
@@ -804,6 +794,7 @@ mod tests {
             assert_eq!(counts.value(group), want, "key {key}");
         }
         assert_eq!((final_.seen.capacity(), final_.counts.capacity()), (0, 0));
+        assert_eq!(final_.size(), size_of::<DistinctPairs<Int64Type>>());
     }
 
     #[test]
