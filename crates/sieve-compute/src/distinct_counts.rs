@@ -38,7 +38,7 @@
 //!   group, and its merge reads them back a batch of 8,192 groups at a
 //!   time: at SF 100, Q16's batches took 51 MB, the merge could not
 //!   reserve them beside the other partition's sets under `512M`, and the
-//!   query failed (`Resources exhausted`) in about half the runs. The
+//!   query failed (`Resources exhausted`) in 3 to 4 runs of 10. The
 //!   regrouping's runs are rows of fixed width, read in batches of a few
 //!   hundred KB;
 //! - `sieve.count_distinct_by_sets` off.
