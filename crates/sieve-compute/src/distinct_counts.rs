@@ -762,8 +762,8 @@ mod tests {
                     }
                 };
                 let value = (next(&mut rng) % 97) as i64 - 40;
-                let value = (next(&mut rng) % 11 != 0).then_some(value);
-                let kept = next(&mut rng) % 9 != 0;
+                let value = (!next(&mut rng).is_multiple_of(11)).then_some(value);
+                let kept = !next(&mut rng).is_multiple_of(9);
                 if let (Some(value), true) = (value, kept) {
                     expected.entry(key).or_default().insert(value);
                 }
