@@ -33,14 +33,6 @@
 //!   aliases): the rewrite's inner aggregation is then a scan's, which
 //!   [`crate::PushAggregateToStorage`] runs on the storage nodes, so
 //!   only distinct pairs are shipped;
-//! - a statement under a memory bound (`sieve.query_memory_limit`). A
-//!   final aggregation of sets that spills writes one list of values per
-//!   group, and its merge reads them back a batch of 8,192 groups at a
-//!   time: at SF 100, Q16's batches took 51 MB, the merge could not
-//!   reserve them beside the other partition's sets under `512M`, and the
-//!   query failed (`Resources exhausted`) in 3 to 4 runs of 10. The
-//!   regrouping's runs are rows of fixed width, read in batches of a few
-//!   hundred KB;
 //! - `sieve.count_distinct_by_sets` off.
 //!
 //! Both plans give the same counts: a set per group counts each non-NULL
@@ -123,15 +115,7 @@ impl OptimizerRule for CountDistinctBySets {
     ) -> Result<Transformed<LogicalPlan>> {
         if let LogicalPlan::Aggregate(aggregate) = &plan {
             let options = config.options();
-            let sieve = SieveConfig::of(&options);
-            // Under a statement's memory bound, the regrouping (whose spilled
-            // runs are rows of fixed width) is kept: see the module
-            // documentation.
-            let bounded = matches!(
-                crate::memory::memory_limit_bytes(&sieve.query_memory_limit),
-                Ok(Some(_))
-            );
-            if sieve.count_distinct_by_sets && !bounded && counted_by_sets(aggregate) {
+            if SieveConfig::of(&options).count_distinct_by_sets && counted_by_sets(aggregate) {
                 return counted_by_fresh_sets(plan);
             }
         }

@@ -164,10 +164,10 @@ async fn grouped_distinct_counts_over_joins_are_counted_by_sets() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
-/// Under a statement's memory bound, DataFusion's regrouping is kept (its
-/// spilled runs are rows of fixed width; a set's are a list of values per
-/// group, too large to merge back under a bound at SF 100), and the
-/// answers hold through its spills.
+/// Under a statement pool too small for the sets, the partial aggregation
+/// emits its groups early and the final one spills, again and again: each
+/// time the sets' memory must come back (DataFusion's accumulator kept its
+/// capacity, and the query failed with `Resources exhausted`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn distinct_counts_under_a_small_statement_pool_keep_their_answers() {
     let (root, cluster, session, reference) = loaded("distinct-counts-pool").await;
@@ -180,11 +180,6 @@ async fn distinct_counts_under_a_small_statement_pool_keep_their_answers() {
         .unwrap();
     for sql in TAKEN {
         check(&session, &reference, sql, "fact").await;
-        let plan = common::explain(&session.context, sql).await;
-        assert!(
-            plan.contains("alias1") || sql.contains("count(DISTINCT f.y)"),
-            "not regrouped under a bound:\n{plan}"
-        );
     }
     drop(session);
     drop(cluster);
