@@ -48,9 +48,13 @@
 //! table its next batch may grow the set into, so that a pool that cannot
 //! grant it makes the aggregation emit or spill before the set doubles
 //! (DataFusion's reported the doubled table once held, and never the
-//! moment it held both tables).
+//! moment it held both tables). [`SetsInSmallBatches`] runs the
+//! aggregations that merge the sets with small batches, so that the runs
+//! they spill, a list of values per group, are read back in batches a
+//! merge can reserve.
 
 use std::any::Any;
+use std::fmt;
 use std::hash::Hash;
 use std::mem::size_of;
 use std::sync::Arc;
@@ -64,9 +68,11 @@ use arrow::datatypes::{
     ArrowPrimitiveType, DataType, Field, FieldRef, Int16Type, Int32Type, Int64Type, Int8Type,
     UInt16Type, UInt32Type, UInt64Type, UInt8Type,
 };
+use datafusion::common::config::ConfigOptions;
 use datafusion::common::hash_utils::RandomState;
-use datafusion::common::tree_node::Transformed;
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::{internal_err, DataFusionError, HashSet, Result, ScalarValue};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::expr::{AggregateFunction, AggregateFunctionParams};
 use datafusion::logical_expr::function::{AccumulatorArgs, StateFieldsArgs};
 use datafusion::logical_expr::utils::AggregateOrderSensitivity;
@@ -77,7 +83,11 @@ use datafusion::logical_expr::{
 use datafusion::optimizer::optimizer::ApplyOrder;
 use datafusion::optimizer::single_distinct_to_groupby::SingleDistinctToGroupBy;
 use datafusion::optimizer::{OptimizerConfig, OptimizerRule};
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::udaf::StatisticsArgs;
+use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
 use datafusion_functions_aggregate_common::aggregate::groups_accumulator::accumulate::accumulate;
 
 use crate::SieveConfig;
@@ -577,6 +587,159 @@ fn one_scan(plan: &LogicalPlan) -> bool {
             plan.inputs().into_iter().all(one_scan)
         }
         _ => false,
+    }
+}
+
+/// Rows per batch of an aggregation that holds [`CountBySets`]' sets past
+/// its partial stage ([`SetsInSmallBatches`]).
+pub const SETS_BATCH_ROWS: usize = 512;
+
+/// Runs every aggregation that merges sets of distinct values (final, or
+/// single, with a DISTINCT aggregate such as [`CountBySets`]) with batches
+/// of [`SETS_BATCH_ROWS`] rows, its input with the session's batch size.
+///
+/// A state row of such an aggregation is a group's list of distinct values:
+/// about 6 KB for TPC-H Q16 at SF 100, so a batch of DataFusion's 8,192 rows
+/// is 51 MB. An aggregation that spills writes its runs in batches of its
+/// batch size, and DataFusion's merge of the runs, which cannot spill,
+/// reserves twice the largest batch of each run it reads, and then merges
+/// a whole batch of lists into its sets. Under a 512 MB statement bound
+/// Q16 failed there in some runs and not others (`Resources exhausted`
+/// asking 51, 102 or 204 MB). With 512 rows a batch is about 3 MB.
+///
+/// DataFusion's aggregation reads its batch size from the task context it
+/// is executed with, and executes its input with the same: the rule puts
+/// the aggregation between two [`BatchRowsExec`], one that gives it the
+/// smaller batch size and one under it that gives its input the session's
+/// back.
+#[derive(Debug, Default)]
+pub struct SetsInSmallBatches;
+
+impl PhysicalOptimizerRule for SetsInSmallBatches {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        config: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let session_rows = config.execution.batch_size.get();
+        if session_rows <= SETS_BATCH_ROWS {
+            return Ok(plan);
+        }
+        plan.transform_up(|node| {
+            let Some(aggregate) = node.downcast_ref::<AggregateExec>() else {
+                return Ok(Transformed::no(node));
+            };
+            if *aggregate.mode() == AggregateMode::Partial || !holds_sets(aggregate) {
+                return Ok(Transformed::no(node));
+            }
+            let input = Arc::new(BatchRowsExec::new(
+                Arc::clone(aggregate.input()),
+                session_rows,
+            ));
+            let aggregate =
+                Arc::clone(&node).replace_children(vec![input], crate::optimizer::recompute())?;
+            Ok(Transformed::yes(Arc::new(BatchRowsExec::new(
+                aggregate,
+                SETS_BATCH_ROWS,
+            ))))
+        })
+        .map(|transformed| transformed.data)
+    }
+
+    fn name(&self) -> &str {
+        "SetsInSmallBatches"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+/// Whether an aggregation has a DISTINCT aggregate: its state is a list
+/// of the distinct values of each group ([`CountBySets`]' and DataFusion's
+/// own alike).
+fn holds_sets(aggregate: &AggregateExec) -> bool {
+    aggregate.aggr_expr().iter().any(|expr| expr.is_distinct())
+}
+
+/// Executes its input with a batch size of its own (the task context's
+/// otherwise): see [`SetsInSmallBatches`].
+#[derive(Debug)]
+pub struct BatchRowsExec {
+    input: Arc<dyn ExecutionPlan>,
+    rows: usize,
+}
+
+impl BatchRowsExec {
+    /// `input`, executed with batches of `rows` rows.
+    pub fn new(input: Arc<dyn ExecutionPlan>, rows: usize) -> Self {
+        Self { input, rows }
+    }
+}
+
+impl DisplayAs for BatchRowsExec {
+    fn fmt_as(&self, _format: DisplayFormatType, formatter: &mut fmt::Formatter) -> fmt::Result {
+        write!(formatter, "BatchRowsExec: rows={}", self.rows)
+    }
+}
+
+impl ExecutionPlan for BatchRowsExec {
+    fn name(&self) -> &str {
+        "BatchRowsExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        self.input.properties()
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.input]
+    }
+
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![true]
+    }
+
+    fn benefits_from_input_partitioning(&self) -> Vec<bool> {
+        vec![false]
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let [input] = &children[..] else {
+            return internal_err!("BatchRowsExec has one child");
+        };
+        Ok(Arc::new(Self::new(Arc::clone(input), self.rows)))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        if context.session_config().batch_size() == self.rows {
+            return self.input.execute(partition, context);
+        }
+        let context = Arc::new(TaskContext::new(
+            context.task_id(),
+            context.session_id(),
+            context.session_config().clone().with_batch_size(self.rows),
+            context.scalar_functions().clone(),
+            context.higher_order_functions().clone(),
+            context.aggregate_functions().clone(),
+            context.window_functions().clone(),
+            context.runtime_env(),
+        ));
+        self.input.execute(partition, context)
     }
 }
 

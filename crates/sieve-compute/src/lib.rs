@@ -79,7 +79,9 @@ pub use deep::{
     COMPUTE_THREAD_STACK_BYTES, DEFAULT_EXPRESSION_DEPTH_MAX,
 };
 pub use dense_aggregate::{DenseAggregateExec, DenseAggregates};
-pub use distinct_counts::CountDistinctBySets;
+pub use distinct_counts::{
+    BatchRowsExec, CountDistinctBySets, SetsInSmallBatches, SETS_BATCH_ROWS,
+};
 pub use early_start::{EarlyStartExec, StartScansEarly};
 pub use evaluate_early::EvaluateOnBuildSides;
 pub use failover::FailoverSettings;

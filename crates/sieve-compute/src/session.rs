@@ -315,6 +315,8 @@ pub fn session_over(
         .with_physical_optimizer_rule(Arc::new(crate::DenseAggregates))
         .with_physical_optimizer_rule(Arc::new(crate::SpillHashJoins))
         .with_physical_optimizer_rule(Arc::new(StartScansEarly))
+        // Last: it puts aggregations between wrappers other rules do not see through.
+        .with_physical_optimizer_rule(Arc::new(crate::SetsInSmallBatches))
         .with_query_planner(Arc::new(crate::memory::ReleaseMemoryPlanner))
         .build();
     let context = SessionContext::new_with_state(state);

@@ -11,6 +11,7 @@ use arrow::array::{ArrayRef, Int32Array, Int64Array, StringArray, UInt16Array};
 use arrow::datatypes::{DataType, Field, Schema};
 use arrow::record_batch::RecordBatch;
 use datafusion::prelude::SessionContext;
+use sieve_compute::SETS_BATCH_ROWS;
 
 use crate::common::{self, NODES};
 use crate::join_sides::check;
@@ -155,6 +156,20 @@ async fn grouped_distinct_counts_over_joins_are_counted_by_sets() {
                     (by_sets, regrouped),
                     (on && taken || either, !(on && taken || either)),
                     "query {index} (taken: {taken}), count_distinct_by_sets = {on}:\n{plan}"
+                );
+                // The aggregation that merges the sets runs with small
+                // batches, its input with the session's.
+                let lines: Vec<&str> = plan.lines().map(str::trim).collect();
+                let small_batches = lines.windows(3).any(|window| {
+                    window[0] == format!("BatchRowsExec: rows={SETS_BATCH_ROWS}")
+                        && window[1].starts_with("AggregateExec: mode=")
+                        && !window[1].starts_with("AggregateExec: mode=Partial")
+                        && window[1].contains("count(DISTINCT")
+                        && window[2] == "BatchRowsExec: rows=8192"
+                });
+                assert_eq!(
+                    small_batches, by_sets,
+                    "query {index}, count_distinct_by_sets = {on}:\n{plan}"
                 );
             }
         }
