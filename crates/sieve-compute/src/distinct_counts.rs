@@ -590,8 +590,8 @@ fn one_scan(plan: &LogicalPlan) -> bool {
     }
 }
 
-/// Rows per batch of an aggregation that holds [`CountBySets`]' sets past
-/// its partial stage ([`SetsInSmallBatches`]).
+/// Rows per batch of an aggregation that merges sets of distinct values
+/// past its partial stage ([`SetsInSmallBatches`]).
 pub const SETS_BATCH_ROWS: usize = 512;
 
 /// Runs every aggregation that merges sets of distinct values (final, or
