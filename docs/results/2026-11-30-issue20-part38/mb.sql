@@ -1,0 +1,10 @@
+SET datafusion.execution.target_partitions = 2;
+CREATE TABLE b AS SELECT value % 1000000 AS s, value / 4 AS p, value * 3 AS c, value % 25 AS n FROM generate_series(1, 4350000);
+CREATE TABLE pr AS SELECT (value * 7919) % 4350000 + 1 AS v FROM generate_series(1, 32600000);
+CREATE TABLE pr2 AS SELECT v % 1000000 AS s, v / 4 AS p, v AS o FROM pr;
+SELECT count(*), sum(c), sum(n) FROM b JOIN pr2 ON b.s = pr2.s AND b.p = pr2.p;
+SELECT count(*), sum(c), sum(n) FROM b JOIN pr2 ON b.s = pr2.s AND b.p = pr2.p;
+SELECT count(*), sum(c), sum(n) FROM b JOIN pr2 ON b.p * 1048576 + b.s = pr2.p * 1048576 + pr2.s;
+SELECT count(*), sum(c), sum(n) FROM b JOIN pr2 ON b.p * 1048576 + b.s = pr2.p * 1048576 + pr2.s;
+SELECT count(*), sum(c), sum(n) FROM b JOIN pr2 ON b.s = pr2.s AND b.p = pr2.p;
+SELECT count(*), sum(c), sum(n) FROM b JOIN pr2 ON b.p * 1048576 + b.s = pr2.p * 1048576 + pr2.s;
