@@ -422,25 +422,13 @@ enum Command {
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
-/// jemalloc's options, read before `main` (`_RJEM_MALLOC_CONF` in the
-/// environment adds to them):
-///
-/// - pages freed are returned to the system by a background thread after a
-///   second, not kept for ten (what was measured);
-/// - blocks up to 64 MiB come from the ordinary arenas, which reuse freed
-///   blocks within that second. By default jemalloc serves every block
-///   over 8 MiB from an arena of its own that returns it to the system as
-///   soon as it is freed, so the next block of that size is faulted in and
-///   zeroed by the kernel page by page again. SF 100's batches, hash
-///   tables and spill buffers pass 8 MiB where SF 10's do not: TPC-H at
-///   SF 100 took 2.5% to 2.7% less time with 64 MiB (compute CPU 6%
-///   less), SF 10 the same, and the compute node's peaks rose by 27 to 87
-///   MB (docs/results/2026-11-30-issue20-part38.md).
+/// jemalloc's options, read before `main`: pages freed are returned to the
+/// system by a background thread after a second, not kept for ten (what
+/// was measured; `_RJEM_MALLOC_CONF` in the environment adds to it).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[export_name = "_rjem_malloc_conf"]
 #[allow(non_upper_case_globals)]
-static malloc_conf: &[u8; 88] =
-    b"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0,oversize_threshold:67108864\0";
+static malloc_conf: &[u8; 60] = b"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0\0";
 
 /// Malloc arenas a `sieve` process may use: one per core, at least two.
 /// Rust's allocations go to jemalloc ([`ALLOCATOR`]); these tune glibc's
