@@ -56,14 +56,19 @@ extensions_options! {
         /// for them. Off, every slice is asked and its node skips its pages.
         pub slice_pruning: bool, default = true
         /// Return the memory freed to the operating system when the
-        /// process goes idle after its statements (glibc's `malloc_trim`),
-        /// so that a server between queries holds only what it keeps.
+        /// process's last open statement ends (the allocator's purge: the
+        /// `sieve` binary's jemalloc arenas; glibc's `malloc_trim`
+        /// elsewhere), so that a server between queries holds only what it
+        /// keeps, and a statement's peak does not carry what the one before
+        /// it freed.
         pub release_memory_after_statements: bool, default = true
         /// How long the process must run no statement after the last one
-        /// ended before the memory is returned, in milliseconds: memory
-        /// returned is touched again by the next statement, so statements
-        /// run back to back keep it. 0: at once at every statement's end.
-        pub release_memory_idle_ms: u64, default = 1000
+        /// ended before the memory is returned, in milliseconds. 0, the
+        /// default: at once when the last open statement ends. With
+        /// jemalloc this cost nothing measurable on TPC-H SF 10's 22
+        /// queries back to back (glibc's `malloc_trim` had cost 4% to
+        /// 19%, docs/results/2026-11-27-issue20-part14.md).
+        pub release_memory_idle_ms: u64, default = 0
         /// The memory one statement's operators share (a size such as
         /// `1G` or `512M`, `auto` or `unbounded`, the default: the
         /// session's pool alone): past it, sorts, aggregations and hash

@@ -479,8 +479,8 @@ pub const QUERY_MEMORY_SETTING: &str = "sieve.query_memory_limit";
 /// DataFusion's own query planner, with each plan's root wrapped in a
 /// [`StatementEndExec`] (unless `sieve.release_memory_after_statements` is
 /// off): when the process has run no statement for
-/// `sieve.release_memory_idle_ms` after the last one ended, the memory
-/// freed goes back to the operating system. The wrapper sits above
+/// `sieve.release_memory_idle_ms` (0: none) after the last one ended, the
+/// memory freed goes back to the operating system. The wrapper sits above
 /// `EXPLAIN`'s and `EXPLAIN ANALYZE`'s own roots, so plans shown do not
 /// show it.
 #[derive(Debug, Default)]
@@ -518,14 +518,17 @@ impl QueryPlanner for ReleaseMemoryPlanner {
 /// A statement's root: passes its input's batches on, and counts the
 /// statement's output streams open in the process. When the last one ends
 /// (drained, failed or dropped) and no statement starts within `idle`
-/// after it, [`release_freed_memory`] runs on a blocking thread.
+/// after it (0 by default: at once), [`release_freed_memory`] runs on a
+/// blocking thread.
 ///
-/// Why wait: memory returned is memory the next statement touches again,
-/// page by page. Returned after every statement, TPC-H SF 10's 22 queries
-/// run back to back took 4% to 19% longer (compute CPU 13% to 38% more);
-/// waiting for the process to go idle keeps that cost out of statements
-/// that follow one another, and a server still gives its memory back
-/// between bursts.
+/// Memory returned is memory the next statement touches again, page by
+/// page. With glibc's `malloc_trim`, returned after every statement,
+/// TPC-H SF 10's 22 queries run back to back took 4% to 19% longer
+/// (compute CPU 13% to 38% more); with jemalloc's purge, what the `sieve`
+/// binary does, it cost nothing measurable, and a statement's peak no
+/// longer carries what the one before it freed
+/// (docs/results/2026-11-30-issue20-part39.md). A server still gives its
+/// memory back between bursts either way.
 ///
 /// It also runs the statement under `sieve.query_memory_limit`: every
 /// partition of it executes with one [`StatementPool`], made at its first
@@ -754,15 +757,12 @@ impl Drop for Releasing {
     }
 }
 
-/// Give the memory freed so far back to the operating system
-/// (`malloc_trim`; nothing where the allocator is not glibc's).
+/// Give the memory freed so far back to the operating system: the
+/// allocator's own release ([`sieve_format::set_memory_releaser`]; the
+/// `sieve` binary purges jemalloc's arenas), glibc's `malloc_trim` without
+/// one.
 pub fn release_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only returns free heap memory to the system; it
-    // takes no pointers and is safe to call at any time, from any thread.
-    unsafe {
-        libc::malloc_trim(0);
-    }
+    sieve_format::release_freed_memory();
 }
 
 #[cfg(test)]

@@ -328,14 +328,9 @@ async fn serve_range(
 
 /// Give the memory freed so far back to the operating system. Opening the
 /// catalog decodes every slice's metadata and keeps a bounded part of it;
-/// glibc keeps the rest (many small allocations) in its heap otherwise, and
+/// the allocator keeps the rest (many small allocations) otherwise, and
 /// the node's resident memory would grow with the data it holds (TPC-H
 /// SF 100: about 100 MB a node after start).
 fn release_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only returns free heap memory to the system; it
-    // takes no pointers and is safe to call at any time.
-    unsafe {
-        libc::malloc_trim(0);
-    }
+    sieve_format::release_freed_memory();
 }

@@ -481,10 +481,9 @@ impl Measure<'_> {
             (Mode::DuckDb, Some(duck)) => duck.pid.to_string(),
             _ => "self".to_string(),
         };
-        // A release the previous statement started (with
-        // `--set sieve.release_memory_idle_ms=0`; by default queries run
-        // back to back keep their memory) ends before this one's peak is
-        // measured.
+        // The release the previous statement started when it ended
+        // (`sieve.release_memory_idle_ms`, 0 by default) ends before this
+        // one's peak is measured.
         sieve_compute::memory::release_settled(Duration::from_secs(10)).await;
         nodes::reset_peak_rss(&compute_pid);
         for node in self.processes {
