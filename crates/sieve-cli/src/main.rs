@@ -439,7 +439,8 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[export_name = "_rjem_malloc_conf"]
 #[allow(non_upper_case_globals)]
-static malloc_conf: &[u8; 88] = b"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0,oversize_threshold:67108864\0";
+static malloc_conf: &[u8; 88] =
+    b"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0,oversize_threshold:67108864\0";
 
 /// Malloc arenas a `sieve` process may use: one per core, at least two.
 /// Rust's allocations go to jemalloc ([`ALLOCATOR`]); these tune glibc's

@@ -44,8 +44,8 @@ pub use layout::{
     copy_slice, slice_file_name, write_slice, write_slice_with_properties, write_table_slice,
     SliceLayout, DISTINCT_COUNTS_KEY, TABLE_SLICES_KEY,
 };
-pub use release::{release_freed_memory, set_memory_releaser};
 pub use planner::{LayoutPlan, PlannerSettings, LAYOUT_PLAN_KEY};
+pub use release::{release_freed_memory, set_memory_releaser};
 pub use ssb::{SsbTable, SSB_TABLES};
 pub use tpch::{is_generated, slice_path, TpchTable, TPCH_TABLES};
 
