@@ -428,19 +428,16 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// at once when the last open statement ends (`purge_jemalloc`,
 /// `sieve.release_memory_idle_ms`).
 ///
-/// Blocks up to 64 MiB come from the ordinary arenas, so a statement reuses
-/// them (jemalloc's default, 8 MiB, serves larger ones from an arena that
-/// unmaps each the moment it is freed: the next one is faulted in and zeroed
-/// again page by page, and SF 100's hash tables, concatenated build sides and
-/// wide batches pass 8 MiB far more often than SF 10's). TPC-H SF 100 under
-/// `512M`: 243.8 s against 253.9 s, compute peak 741 against 670 MB; with
-/// the purge at each statement's end, a query's peak no longer carries what
-/// the one before it freed (docs/results/2026-11-30-issue20-part39.md).
+/// jemalloc's `oversize_threshold` stays at its 8 MiB: larger blocks are
+/// unmapped the moment they are freed. At 64 MiB a statement reuses them
+/// (TPC-H SF 100 under `512M`: 243.8 and 249.9 s in two runs, against
+/// 247.6 to 253.9 s in three at 8 MiB), but what is kept stays resident:
+/// SF 100's compute peak was 741 and 876 MB against 661 to 670 MB, the
+/// second 1.7 times SF 10's (docs/results/2026-11-30-issue20-part39.md).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[export_name = "_rjem_malloc_conf"]
 #[allow(non_upper_case_globals)]
-static malloc_conf: &[u8; 88] =
-    b"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0,oversize_threshold:67108864\0";
+static malloc_conf: &[u8; 60] = b"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0\0";
 
 /// Malloc arenas a `sieve` process may use: one per core, at least two.
 /// Rust's allocations go to jemalloc ([`ALLOCATOR`]); these tune glibc's
