@@ -425,7 +425,7 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// jemalloc's options, read before `main`: pages freed are returned to the
 /// system by a background thread after a second, not kept for ten (what
 /// was measured; `_RJEM_MALLOC_CONF` in the environment adds to it), and
-/// at once when the last open statement ends (`purge_jemalloc`,
+/// at once when the last open statement ends (`release_both_allocators`,
 /// `sieve.release_memory_idle_ms`).
 ///
 /// jemalloc's `oversize_threshold` stays at its 8 MiB: larger blocks are
@@ -486,11 +486,13 @@ fn tune_malloc() {
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 const MMAP_THRESHOLD: libc::c_int = 1 << 20;
 
-/// Return every jemalloc arena's freed pages to the system at once
-/// (`arena.<MALLCTL_ARENAS_ALL>.purge`): what
+/// Return the freed memory of both allocators in this binary to the
+/// system at once: every jemalloc arena's freed pages
+/// (`arena.<MALLCTL_ARENAS_ALL>.purge`; Rust's allocations), then glibc's
+/// heap (`malloc_trim`; what C libraries such as SQLite allocate). What
 /// `sieve_compute::memory::release_freed_memory` does in this binary.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn purge_jemalloc() {
+fn release_both_allocators() {
     // MALLCTL_ARENAS_ALL is 4096 in jemalloc 5.
     const PURGE_ALL: &[u8] = b"arena.4096.purge\0";
     // SAFETY: a NUL-terminated name; a purge reads and writes no value
@@ -504,12 +506,17 @@ fn purge_jemalloc() {
             0,
         );
     }
+    // SAFETY: malloc_trim only returns free heap memory to the system; it
+    // takes no pointers and is safe to call at any time, from any thread.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 fn main() -> ExitCode {
     tune_malloc();
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    sieve_format::set_memory_releaser(purge_jemalloc);
+    sieve_format::set_memory_releaser(release_both_allocators);
     let cli = Cli::parse();
     // Threads with deep stacks (`sieve_compute::compute_runtime`), and the
     // command's own thread likewise: DataFusion plans by recursion.

@@ -57,8 +57,8 @@ extensions_options! {
         pub slice_pruning: bool, default = true
         /// Return the memory freed to the operating system when the
         /// process's last open statement ends (the allocator's purge: the
-        /// `sieve` binary's jemalloc arenas; glibc's `malloc_trim`
-        /// elsewhere), so that a server between queries holds only what it
+        /// `sieve` binary's jemalloc arenas and glibc's heap; glibc's
+        /// `malloc_trim` alone elsewhere), so that a server between queries holds only what it
         /// keeps, and a statement's peak does not carry what the one before
         /// it freed.
         pub release_memory_after_statements: bool, default = true

@@ -759,8 +759,8 @@ impl Drop for Releasing {
 
 /// Give the memory freed so far back to the operating system: the
 /// allocator's own release ([`sieve_format::set_memory_releaser`]; the
-/// `sieve` binary purges jemalloc's arenas), glibc's `malloc_trim` without
-/// one.
+/// `sieve` binary purges jemalloc's arenas and trims glibc's heap),
+/// glibc's `malloc_trim` without one.
 pub fn release_freed_memory() {
     sieve_format::release_freed_memory();
 }
