@@ -24,6 +24,7 @@
 mod compact;
 mod delete;
 pub mod generated;
+pub mod ingest;
 mod one_version;
 mod provider;
 mod schema;

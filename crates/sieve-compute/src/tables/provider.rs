@@ -44,13 +44,22 @@ impl OwnedTable {
 
     /// This table at `pin`'s version (what [`super::ReadOneVersion`] binds
     /// a statement's tables to). Fails if the table was dropped by then,
-    /// or dropped and created again.
+    /// or dropped and created again with other columns. One created again
+    /// with the same columns is bound as it is now: a prepared statement
+    /// (a client's, kept across a `DROP TABLE` and `CREATE TABLE` of the
+    /// same table, as psycopg keeps them) reads the table that is there,
+    /// as PostgreSQL plans a prepared statement again.
     pub fn at(&self, pin: &VersionPin) -> Result<Self> {
         let name = &self.snapshot.table.name;
         match Self::at_pin(&self.tables, &self.catalog, &self.traffic, name, pin)? {
             Some(table) if table.snapshot.table.id == self.snapshot.table.id => Ok(table),
+            Some(table)
+                if table.snapshot.table.schema.fields() == self.snapshot.table.schema.fields() =>
+            {
+                Ok(table)
+            }
             Some(_) => datafusion::common::plan_err!(
-                "table '{name}' was dropped and created again while this statement was planned; run it again"
+                "table '{name}' was dropped and created again with other columns since this statement was planned; plan it again (prepare it again)"
             ),
             None => datafusion::common::plan_err!(
                 "table '{name}' was dropped (at version {}) before this statement ran",

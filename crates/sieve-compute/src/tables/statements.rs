@@ -195,7 +195,7 @@ pub fn refuse_unsound_dml(statement: &SqlStatement) -> Result<()> {
     Ok(())
 }
 
-fn owned(catalog: &ClusterCatalog) -> Result<&Arc<OwnedTables>> {
+pub(super) fn owned(catalog: &ClusterCatalog) -> Result<&Arc<OwnedTables>> {
     catalog.owned.as_ref().ok_or_else(|| {
         plan_datafusion_err!(
             "this compute node has no table catalog (start it with a data directory or --catalog): tables cannot be created or loaded"
@@ -301,7 +301,7 @@ fn layout_from(options: &CreateTableOptions, schema: &Schema, nodes: usize) -> R
 }
 
 /// Types a slice stores: no nested types.
-fn check_types(schema: &Schema) -> Result<()> {
+pub(super) fn check_types(schema: &Schema) -> Result<()> {
     for field in schema.fields() {
         if field.data_type().is_nested() {
             return plan_err!(
@@ -617,6 +617,46 @@ fn copy_options(options: &[CopyOption]) -> Result<CopyOptions> {
     Ok(parsed)
 }
 
+/// PostgreSQL's options before 9.0, which psql's `\copy t from 'f' csv
+/// header` still writes: `CSV [HEADER] [QUOTE 'q'] [ESCAPE 'e']`,
+/// `DELIMITER 'd'`, `NULL 'n'`.
+fn legacy_copy_options(
+    parsed: &mut CopyOptions,
+    options: &[datafusion::sql::sqlparser::ast::CopyLegacyOption],
+) -> Result<()> {
+    use datafusion::sql::sqlparser::ast::{CopyLegacyCsvOption, CopyLegacyOption};
+    for option in options {
+        match option {
+            CopyLegacyOption::Csv(csv) => {
+                parsed.format = Some("csv".to_string());
+                for option in csv {
+                    match option {
+                        CopyLegacyCsvOption::Header => parsed.header = true,
+                        CopyLegacyCsvOption::Quote(character) => {
+                            parsed.quote = one_byte("QUOTE", *character)?
+                        }
+                        CopyLegacyCsvOption::Escape(character) => {
+                            parsed.escape = Some(one_byte("ESCAPE", *character)?)
+                        }
+                        other => {
+                            return plan_err!(
+                                "COPY option '{other}' is not supported by COPY FROM"
+                            )
+                        }
+                    }
+                }
+            }
+            CopyLegacyOption::Header => parsed.header = true,
+            CopyLegacyOption::Delimiter(character) => {
+                parsed.delimiter = one_byte("DELIMITER", *character)?
+            }
+            CopyLegacyOption::Null(null) => parsed.null = Some(null.clone()),
+            other => return plan_err!("COPY option '{other}' is not supported (supported: WITH (FORMAT, HEADER, DELIMITER, QUOTE, ESCAPE, NULL, ENCODING 'utf8'), or CSV [HEADER] [QUOTE 'q'] [ESCAPE 'e'], DELIMITER 'd', NULL 'n')"),
+        }
+    }
+    Ok(())
+}
+
 /// The files `path` names: a file, every file in a directory (not those
 /// starting with `.` or `_`), or the files a glob in the last part matches.
 fn expand_path(path: &str) -> Result<Vec<PathBuf>> {
@@ -740,11 +780,7 @@ async fn copy_from(
     else {
         return plan_err!("not a COPY");
     };
-    if !legacy_options.is_empty() {
-        return plan_err!(
-            "COPY's options go in WITH (FORMAT ..., HEADER ..., DELIMITER ..., NULL ...)"
-        );
-    }
+
     let (table_name, columns) = match source {
         CopySource::Table {
             table_name,
@@ -756,13 +792,12 @@ async fn copy_from(
             )
         }
     };
-    if !columns.is_empty() {
-        return plan_err!("COPY with a column list is not supported: the file's columns fill the table's, in order");
-    }
+
     let CopyTarget::File { filename } = target else {
         return plan_err!("COPY FROM reads a file, a directory or a glob on the compute node ('path'), not STDIN or a program");
     };
-    let options = copy_options(&options)?;
+    let mut options = copy_options(&options)?;
+    legacy_copy_options(&mut options, &legacy_options)?;
     let name = table_name.to_string();
     let name = name.strip_prefix("public.").unwrap_or(&name).to_lowercase();
     let version = owned.store().latest_version()?;
@@ -773,7 +808,28 @@ async fn copy_from(
     };
     super::provider::refuse_copy_change(&snapshot)?;
     let files = expand_path(&filename)?;
-    let schema = Arc::clone(&snapshot.table.schema);
+    let table_schema = Arc::clone(&snapshot.table.schema);
+    // With a column list, the file's columns fill those, in its order;
+    // the others are NULL.
+    let mut listed = Vec::with_capacity(columns.len());
+    for column in &columns {
+        let name = column.value.to_lowercase();
+        let Ok(field) = table_schema.field_with_name(&name) else {
+            return plan_err!(
+                "COPY names column '{name}', which '{}' does not have",
+                snapshot.table.name
+            );
+        };
+        if listed.iter().any(|field: &Field| field.name() == &name) {
+            return plan_err!("COPY names column '{name}' twice");
+        }
+        listed.push(field.clone());
+    }
+    let schema = if listed.is_empty() {
+        Arc::clone(&table_schema)
+    } else {
+        Arc::new(Schema::new(listed))
+    };
     // One partition per file, read in order, so an error names its file
     // and its line counts from the file's start.
     let state = SessionStateBuilder::from(context.state()).build();
@@ -787,7 +843,9 @@ async fn copy_from(
         .repartition_file_scans = false;
     let mut writer = TableWriter::new(Arc::clone(owned), snapshot.table.clone());
     for file in &files {
-        let read = read_file(&reader, file, &options, &schema).await;
+        let read = read_file(&reader, file, &options, &schema)
+            .await
+            .and_then(|frame| fill_unlisted(frame, &schema, &table_schema));
         let mut stream = match read {
             Ok(frame) => match frame.execute_stream().await {
                 Ok(stream) => stream,
@@ -836,10 +894,23 @@ async fn read_file(
             if let Some(escape) = options.escape {
                 read = read.escape(escape);
             }
-            if let Some(null) = &options.null {
-                read = read.null_regex(Some(regex_quote(null)));
+            match options.null.as_deref() {
+                // DataFusion 55's CSV reader takes an empty field as NULL
+                // and uses `null_regex` only to infer a schema, not to
+                // read: a marker of its own would be read as a value.
+                Some(null) if !null.is_empty() => {
+                    let text = Schema::new(
+                        schema
+                            .fields()
+                            .iter()
+                            .map(|field| Field::new(field.name(), DataType::Utf8, true))
+                            .collect::<Vec<_>>(),
+                    );
+                    let frame = reader.read_csv(path, read.schema(&text)).await?;
+                    marked_nulls(frame, schema, null)
+                }
+                _ => reader.read_csv(path, read).await,
             }
-            reader.read_csv(path, read).await
         }
         "json" => {
             let read = JsonReadOptions::default()
@@ -854,6 +925,54 @@ async fn read_file(
             conform(frame, schema)
         }
     }
+}
+
+/// `frame` (the columns of a COPY's column list) as all of the table's
+/// columns, the unlisted ones NULL.
+fn fill_unlisted(frame: DataFrame, listed: &SchemaRef, table: &SchemaRef) -> Result<DataFrame> {
+    use datafusion::common::ScalarValue;
+    use datafusion::logical_expr::lit;
+    if listed.fields().len() == table.fields().len() && listed.fields() == table.fields() {
+        return Ok(frame);
+    }
+    let columns = table
+        .fields()
+        .iter()
+        .map(|field| {
+            Ok(if listed.field_with_name(field.name()).is_ok() {
+                col(datafusion::common::Column::new_unqualified(field.name()))
+            } else {
+                lit(ScalarValue::try_from(field.data_type())?).alias(field.name())
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    frame.select(columns)
+}
+
+/// The text columns of `frame` as the table's: the `null` marker a NULL,
+/// any other text cast to the column's type (a value that cannot be is an
+/// error). An empty field is then an empty string, as in PostgreSQL (and
+/// an error for a number or a date); the reader gives it as a NULL.
+fn marked_nulls(frame: DataFrame, schema: &SchemaRef, null: &str) -> Result<DataFrame> {
+    use datafusion::common::ScalarValue;
+    use datafusion::logical_expr::{lit, when};
+    let columns = schema
+        .fields()
+        .iter()
+        .map(|field| {
+            let text = col(datafusion::common::Column::new_unqualified(field.name()));
+            Ok(when(
+                text.clone().eq(lit(null)),
+                lit(ScalarValue::try_from(field.data_type())?),
+            )
+            .otherwise(cast(
+                datafusion::functions::expr_fn::coalesce(vec![text, lit("")]),
+                field.data_type().clone(),
+            ))?
+            .alias(field.name()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    frame.select(columns)
 }
 
 /// The columns of `frame` as the table's: by name when the file has every
@@ -890,19 +1009,6 @@ fn conform(frame: DataFrame, schema: &SchemaRef) -> Result<DataFrame> {
         })
         .collect::<Vec<_>>();
     frame.select(columns)
-}
-
-/// A regex matching exactly `text`.
-fn regex_quote(text: &str) -> String {
-    let mut quoted = String::from("^");
-    for character in text.chars() {
-        if "\\.+*?()|[]{}^$#&-~".contains(character) {
-            quoted.push('\\');
-        }
-        quoted.push(character);
-    }
-    quoted.push('$');
-    quoted
 }
 
 /// `error` with the file it came from; a CSV parse error's line counted

@@ -15,10 +15,10 @@
 use std::sync::Arc;
 
 use arrow::array::RecordBatch;
-use arrow::compute::{concat_batches, lexsort_to_indices, take_record_batch, SortColumn};
+use arrow::compute::{cast, concat_batches, lexsort_to_indices, take_record_batch, SortColumn};
 use arrow::datatypes::SchemaRef;
 use arrow::row::{OwnedRow, RowConverter, SortField};
-use datafusion::common::{exec_err, DataFusionError, Result, ScalarValue};
+use datafusion::common::{exec_err, DFSchema, DataFusionError, Result, ScalarValue};
 use parquet::schema::types::ColumnPath;
 use tokio::task::JoinHandle;
 
@@ -135,8 +135,17 @@ impl TableWriter {
                 batch.num_columns()
             );
         }
+        let mut columns = Vec::with_capacity(batch.num_columns());
         for (field, column) in self.schema.fields().iter().zip(batch.columns()) {
-            if field.data_type() != column.data_type() {
+            // Another encoding of the same values (a string parameter of a
+            // prepared INSERT arrives as Utf8View for a Utf8 column; a
+            // dictionary for its values) is stored as the table's type, as
+            // DataFusion's insert planning takes it.
+            let column = if field.data_type() == column.data_type() {
+                Arc::clone(column)
+            } else if DFSchema::datatype_is_logically_equal(field.data_type(), column.data_type()) {
+                cast(column, field.data_type())?
+            } else {
                 return exec_err!(
                     "column '{}' of table '{}' is {}, not {}",
                     field.name(),
@@ -144,7 +153,7 @@ impl TableWriter {
                     field.data_type(),
                     column.data_type()
                 );
-            }
+            };
             if !field.is_nullable() && column.null_count() > 0 {
                 return exec_err!(
                     "column '{}' of table '{}' is NOT NULL; a NULL was given",
@@ -152,8 +161,9 @@ impl TableWriter {
                     self.table.name
                 );
             }
+            columns.push(column);
         }
-        let batch = RecordBatch::try_new(Arc::clone(&self.schema), batch.columns().to_vec())?;
+        let batch = RecordBatch::try_new(Arc::clone(&self.schema), columns)?;
         // Rows that come sorted or joined hold view columns pointing into
         // every batch their rows came from: counted as they are, each batch
         // would weigh all of those buffers and cut a slice per batch (a
