@@ -54,9 +54,16 @@ pub(crate) fn sqlstate(error: &DataFusionError) -> &'static str {
         },
         DataFusionError::Plan(message) => {
             let lower = message.to_ascii_lowercase();
-            if lower.contains("table") && lower.contains("not found") {
+            if lower.contains("table")
+                && (lower.contains("not found")
+                    || lower.contains("does not exist")
+                    || lower.contains("no table named"))
+            {
                 // undefined_table
                 "42P01"
+            } else if lower.contains("table") && lower.contains("already exists") {
+                // duplicate_table
+                "42P07"
             } else if lower.contains("invalid function") || lower.contains("no function matches") {
                 // undefined_function
                 "42883"
@@ -85,6 +92,20 @@ pub(crate) fn sqlstate(error: &DataFusionError) -> &'static str {
         // io_error
         DataFusionError::IoError(_) | DataFusionError::ObjectStore(_) => "58030",
         DataFusionError::Execution(message) if message.contains("could not be read") => "58000",
+        // undefined_table (DROP TABLE of a table that is not there)
+        DataFusionError::Execution(message)
+            if (message.starts_with("Table '") || message.starts_with("View '"))
+                && message.contains("doesn't exist") =>
+        {
+            "42P01"
+        }
+        // duplicate_table
+        DataFusionError::Execution(message)
+            if (message.starts_with("Table '") || message.starts_with("View '"))
+                && message.contains("already exists") =>
+        {
+            "42P07"
+        }
         // data_exception
         DataFusionError::Execution(_) => "22000",
         // internal_error
@@ -130,6 +151,14 @@ mod tests {
         assert_eq!(state_of("select * from nowhere").await, "42P01");
         assert_eq!(state_of("select nope from (select 1 as a)").await, "42703");
         assert_eq!(state_of("select 1 / 0").await, "22012");
+        assert_eq!(state_of("drop table nowhere").await, "42P01");
+        let context = SessionContext::new();
+        context.sql("create view twice as select 1").await.unwrap();
+        let error = context
+            .sql("create view twice as select 2")
+            .await
+            .expect_err("a second view of the same name");
+        assert_eq!(sqlstate(&error), "42P07", "{error}");
         assert_eq!(state_of("select cast('x' as int)").await, "22P02");
         assert_eq!(
             state_of("set datafusion.no_such_setting = 1").await,

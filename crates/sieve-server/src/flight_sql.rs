@@ -32,9 +32,9 @@ use arrow_flight::sql::{
     ActionClosePreparedStatementRequest, ActionCreatePreparedStatementRequest,
     ActionCreatePreparedStatementResult, CommandGetCatalogs, CommandGetDbSchemas,
     CommandGetSqlInfo, CommandGetTableTypes, CommandGetTables, CommandPreparedStatementQuery,
-    CommandStatementQuery, CommandStatementUpdate, DoPutPreparedStatementResult, ProstMessageExt,
-    SqlInfo, SqlNullOrdering, SqlSupportedCaseSensitivity, SqlSupportedTransaction,
-    TicketStatementQuery,
+    CommandPreparedStatementUpdate, CommandStatementIngest, CommandStatementQuery,
+    CommandStatementUpdate, DoPutPreparedStatementResult, ProstMessageExt, SqlInfo,
+    SqlNullOrdering, SqlSupportedCaseSensitivity, SqlSupportedTransaction, TicketStatementQuery,
 };
 use arrow_flight::{
     Action, FlightDescriptor, FlightEndpoint, FlightInfo, HandshakeRequest, HandshakeResponse,
@@ -50,7 +50,7 @@ use datafusion::datasource::TableType;
 use datafusion::logical_expr::LogicalPlan;
 use datafusion::prelude::SessionContext;
 use datafusion::sql::parser::Statement as DfStatement;
-use futures::{Stream, TryStreamExt};
+use futures::{Stream, StreamExt, TryStreamExt};
 use prost::Message;
 use tokio::net::TcpListener;
 use tonic::metadata::MetadataValue;
@@ -58,6 +58,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Identity, Server, ServerTlsConfig};
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::changed_rows;
 use crate::errors::sqlstate;
 use crate::pg::SessionFactory;
 use crate::settings::{show_sieve_setting, sieve_setting_shown};
@@ -77,6 +78,15 @@ const TOKEN_BYTES: usize = 24;
 /// The largest request message the server decodes (a DoPut of parameters,
 /// a statement's text).
 pub const REQUEST_BYTES_MAX: usize = 16 << 20;
+
+/// Rows of parameters one DoPut may bind to a prepared statement other
+/// than `INSERT ... VALUES` (each row runs the statement once, a commit
+/// each); an INSERT takes any number, as one load.
+pub const PARAMETER_ROWS_EACH_MAX: usize = 10_000;
+
+/// Bytes of parameters one DoPut to a prepared update may bind in all (a
+/// many-row `executemany`); past it, load with bulk ingest.
+pub const PARAMETER_BYTES_MAX: usize = 256 << 20;
 
 /// How the Flight SQL port is served.
 #[derive(Clone)]
@@ -202,7 +212,7 @@ fn sql_info() -> SqlInfoData {
     builder.append(SqlInfo::FlightSqlServerName, "Sieve");
     builder.append(SqlInfo::FlightSqlServerVersion, env!("CARGO_PKG_VERSION"));
     builder.append(SqlInfo::FlightSqlServerArrowVersion, "1.3");
-    builder.append(SqlInfo::FlightSqlServerReadOnly, true);
+    builder.append(SqlInfo::FlightSqlServerReadOnly, false);
     builder.append(SqlInfo::FlightSqlServerSql, true);
     builder.append(SqlInfo::FlightSqlServerSubstrait, false);
     builder.append(
@@ -210,10 +220,10 @@ fn sql_info() -> SqlInfoData {
         SqlSupportedTransaction::None as i32,
     );
     builder.append(SqlInfo::FlightSqlServerCancel, false);
-    builder.append(SqlInfo::FlightSqlServerBulkIngestion, false);
+    builder.append(SqlInfo::FlightSqlServerBulkIngestion, true);
     builder.append(SqlInfo::SqlDdlCatalog, false);
     builder.append(SqlInfo::SqlDdlSchema, false);
-    builder.append(SqlInfo::SqlDdlTable, false);
+    builder.append(SqlInfo::SqlDdlTable, true);
     builder.append(
         SqlInfo::SqlIdentifierCase,
         SqlSupportedCaseSensitivity::SqlCaseSensitivityLowercase as i32,
@@ -469,6 +479,129 @@ fn parameter_values(
         .collect()
 }
 
+/// A prepared `INSERT ... VALUES (...)` of one row whose placeholders are
+/// all in that row, run for many rows of parameters at once: the row's
+/// expressions evaluated over the parameters as a table, so the rows
+/// arrive in one load (one commit, slices of many rows) instead of one
+/// statement a row. `None` for any other statement.
+fn insert_of_rows(
+    plan: &LogicalPlan,
+    parameters: &[(String, Option<DataType>)],
+    bound: &[RecordBatch],
+) -> Result<Option<LogicalPlan>, DataFusionError> {
+    use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+    use datafusion::common::Column;
+    use datafusion::logical_expr::{cast, Expr, LogicalPlanBuilder};
+    let LogicalPlan::Dml(dml) = plan else {
+        return Ok(None);
+    };
+    if !matches!(dml.op, datafusion::logical_expr::WriteOp::Insert(_)) {
+        return Ok(None);
+    }
+    // Exactly one VALUES of one row, holding every placeholder.
+    let mut values_nodes = 0;
+    let mut one_row = true;
+    let mut placeholders_outside = false;
+    dml.input.apply(|node| {
+        if let LogicalPlan::Values(values) = node {
+            values_nodes += 1;
+            one_row &= values.values.len() == 1;
+            return Ok(TreeNodeRecursion::Jump);
+        }
+        node.apply_expressions(|expr| {
+            expr.apply(|expr| {
+                if matches!(expr, Expr::Placeholder(_)) {
+                    placeholders_outside = true;
+                }
+                Ok(TreeNodeRecursion::Continue)
+            })
+        })?;
+        Ok(TreeNodeRecursion::Continue)
+    })?;
+    if values_nodes != 1 || !one_row || placeholders_outside {
+        return Ok(None);
+    }
+    if bound
+        .iter()
+        .any(|batch| batch.num_columns() != parameters.len())
+    {
+        return Err(DataFusionError::Plan(format!(
+            "the statement has {} parameters; a bound batch has other columns",
+            parameters.len()
+        )));
+    }
+    // The parameters as a table: a column `$n` each, of the type inferred.
+    let fields: Vec<Field> = parameters
+        .iter()
+        .enumerate()
+        .map(|(index, (name, kind))| {
+            Field::new(
+                name,
+                kind.clone()
+                    .unwrap_or_else(|| bound[0].column(index).data_type().clone()),
+                true,
+            )
+        })
+        .collect();
+    let schema = Arc::new(Schema::new(fields));
+    let mut batches = Vec::with_capacity(bound.len());
+    for batch in bound {
+        if batch.num_columns() != parameters.len() {
+            return Err(DataFusionError::Plan(format!(
+                "the statement has {} parameters, {} were bound",
+                parameters.len(),
+                batch.num_columns()
+            )));
+        }
+        let columns = batch
+            .columns()
+            .iter()
+            .zip(schema.fields())
+            .map(|(column, field)| {
+                if column.data_type() == field.data_type() {
+                    Ok(Arc::clone(column))
+                } else {
+                    Ok(datafusion::arrow::compute::cast(column, field.data_type())?)
+                }
+            })
+            .collect::<Result<Vec<ArrayRef>, DataFusionError>>()?;
+        batches.push(RecordBatch::try_new(Arc::clone(&schema), columns)?);
+    }
+    let table = datafusion::datasource::MemTable::try_new(Arc::clone(&schema), vec![batches])?;
+    let source = datafusion::datasource::provider_as_source(Arc::new(table));
+    let rows = LogicalPlanBuilder::scan("sieve_parameters", source, None)?.build()?;
+    let input = dml.input.as_ref().clone().transform_up(|node| {
+        let LogicalPlan::Values(values) = &node else {
+            return Ok(Transformed::no(node));
+        };
+        let row = values.values[0]
+            .iter()
+            .zip(values.schema.fields())
+            .map(|(expr, field)| {
+                let expr = expr
+                    .clone()
+                    .transform(|expr| {
+                        Ok(match expr {
+                            Expr::Placeholder(placeholder) => Transformed::yes(Expr::Column(
+                                Column::new_unqualified(placeholder.id),
+                            )),
+                            other => Transformed::no(other),
+                        })
+                    })?
+                    .data;
+                Ok(cast(expr, field.data_type().clone()).alias(field.name()))
+            })
+            .collect::<Result<Vec<_>, DataFusionError>>()?;
+        let projected = LogicalPlanBuilder::from(rows.clone())
+            .project(row)?
+            .build()?;
+        Ok(Transformed::yes(projected))
+    })?;
+    let mut dml = dml.clone();
+    dml.input = Arc::new(input.data);
+    Ok(Some(LogicalPlan::Dml(dml)))
+}
+
 /// The placeholders of `plan` in order (`$1`, `$2`, ...) with their types.
 fn placeholders(plan: &LogicalPlan) -> Result<Vec<(String, Option<DataType>)>, DataFusionError> {
     let mut parameters: Vec<(String, Option<DataType>)> =
@@ -563,18 +696,167 @@ impl FlightSqlService for SieveFlightSql {
         let session = self.session(&request)?;
         let frame = session.plan(&command.query).await.map_err(status)?;
         let batches = frame.collect().await.map_err(status)?;
-        // DML answers with its row count; anything else changed no rows.
-        let count = batches
-            .iter()
-            .filter_map(|batch| {
-                let column = batch.column_by_name("count")?;
-                let values = column
-                    .as_any()
-                    .downcast_ref::<datafusion::arrow::array::UInt64Array>()?;
-                Some(values.iter().flatten().sum::<u64>())
-            })
-            .sum::<u64>();
-        Ok(count as i64)
+        Ok(changed_rows(&batches) as i64)
+    }
+
+    async fn do_put_statement_ingest(
+        &self,
+        command: CommandStatementIngest,
+        request: Request<PeekableFlightDataStream>,
+    ) -> Result<i64, Status> {
+        use arrow_flight::sql::{TableExistsOption, TableNotExistOption};
+        use sieve_compute::tables::ingest::{ingest, IfMissing, IfPresent};
+        let session = self.session(&request)?;
+        if command.temporary {
+            return Err(Status::invalid_argument(
+                "temporary tables are not supported: load into a table",
+            ));
+        }
+        if command.transaction_id.is_some() {
+            return Err(Status::invalid_argument(
+                "Sieve has no transactions: load without one (each load is one commit)",
+            ));
+        }
+        if let Some(schema) = command.schema.as_deref() {
+            if schema != "public" {
+                return Err(Status::invalid_argument(format!(
+                    "tables are loaded in schema 'public', not '{schema}'"
+                )));
+            }
+        }
+        if let Some(option) = command.options.keys().next() {
+            return Err(Status::invalid_argument(format!(
+                "unknown load option '{option}'"
+            )));
+        }
+        let options = command.table_definition_options.unwrap_or_default();
+        let if_missing = match TableNotExistOption::try_from(options.if_not_exist) {
+            Ok(TableNotExistOption::Create) => IfMissing::Create,
+            Ok(TableNotExistOption::Fail) => IfMissing::Fail,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "say what to do when the table does not exist (create or fail)",
+                ))
+            }
+        };
+        let if_present = match TableExistsOption::try_from(options.if_exists) {
+            Ok(TableExistsOption::Append) => IfPresent::Append,
+            Ok(TableExistsOption::Replace) => IfPresent::Replace,
+            Ok(TableExistsOption::Fail) => IfPresent::Fail,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "say what to do when the table exists (append, replace or fail)",
+                ))
+            }
+        };
+        let mut stream = arrow_flight::decode::FlightRecordBatchStream::new_from_flight_data(
+            request.into_inner().map_err(FlightError::from),
+        );
+        let first = stream
+            .try_next()
+            .await
+            .map_err(|error| Status::invalid_argument(format!("the batches: {error}")))?;
+        let Some(schema) = stream
+            .schema()
+            .cloned()
+            .or_else(|| first.as_ref().map(RecordBatch::schema))
+        else {
+            return Err(Status::invalid_argument("the load sent no schema"));
+        };
+        let rest = futures::stream::iter(first.map(Ok)).chain(stream.map_err(|error| {
+            DataFusionError::Execution(format!("the batches the client sent: {error}"))
+        }));
+        let batches = Box::pin(
+            datafusion::physical_plan::stream::RecordBatchStreamAdapter::new(schema, rest),
+        );
+        let rows = ingest(
+            &session.context,
+            &command.table,
+            if_missing,
+            if_present,
+            batches,
+        )
+        .await
+        .map_err(status)?;
+        Ok(rows as i64)
+    }
+
+    async fn do_put_prepared_statement_update(
+        &self,
+        query: CommandPreparedStatementUpdate,
+        request: Request<PeekableFlightDataStream>,
+    ) -> Result<i64, Status> {
+        let session = self.session(&request)?;
+        let handle = handle_of(&query.prepared_statement_handle)?;
+        let (plan, parameters) = session
+            .statements()
+            .prepared
+            .get(&handle)
+            .map(|prepared| (prepared.plan.clone(), prepared.parameters.clone()))
+            .ok_or_else(|| Status::not_found("no such prepared statement"))?;
+        if parameters.is_empty() {
+            let frame = prepared_frame(&session, handle).await?;
+            return Ok(changed_rows(&frame.collect().await.map_err(status)?) as i64);
+        }
+        let stream = arrow_flight::decode::FlightRecordBatchStream::new_from_flight_data(
+            request.into_inner().map_err(FlightError::from),
+        );
+        let mut stream = stream;
+        let mut bound: Vec<RecordBatch> = Vec::new();
+        let mut bytes = 0;
+        while let Some(batch) = stream
+            .try_next()
+            .await
+            .map_err(|error| Status::invalid_argument(format!("parameters: {error}")))?
+        {
+            bytes += batch.get_array_memory_size();
+            if bytes > PARAMETER_BYTES_MAX {
+                return Err(Status::resource_exhausted(format!(
+                    "parameters past {PARAMETER_BYTES_MAX} bytes (PARAMETER_BYTES_MAX) in one call: load many rows with bulk ingest (adbc_ingest)"
+                )));
+            }
+            if batch.num_columns() != parameters.len() {
+                return Err(Status::invalid_argument(format!(
+                    "the statement has {} parameters, {} were bound",
+                    parameters.len(),
+                    batch.num_columns()
+                )));
+            }
+            if batch.num_rows() > 0 {
+                bound.push(batch);
+            }
+        }
+        if bound.is_empty() {
+            return Ok(0);
+        }
+        if let Some(plan) = insert_of_rows(&plan, &parameters, &bound).map_err(status)? {
+            let frame = session
+                .context
+                .execute_logical_plan(plan)
+                .await
+                .map_err(status)?;
+            return Ok(changed_rows(&frame.collect().await.map_err(status)?) as i64);
+        }
+        let rows: usize = bound.iter().map(RecordBatch::num_rows).sum();
+        if rows > PARAMETER_ROWS_EACH_MAX {
+            return Err(Status::invalid_argument(format!(
+                "{rows} rows of parameters: a statement other than INSERT ... VALUES runs once a row, at most {PARAMETER_ROWS_EACH_MAX} times a call"
+            )));
+        }
+        let mut changed = 0;
+        for batch in &bound {
+            for row in 0..batch.num_rows() {
+                let values = parameter_values(&batch.slice(row, 1), &parameters)?;
+                let plan = plan.clone().with_param_values(values).map_err(status)?;
+                let frame = session
+                    .context
+                    .execute_logical_plan(plan)
+                    .await
+                    .map_err(status)?;
+                changed += changed_rows(&frame.collect().await.map_err(status)?);
+            }
+        }
+        Ok(changed as i64)
     }
 
     async fn do_action_create_prepared_statement(

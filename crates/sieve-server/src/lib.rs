@@ -17,6 +17,7 @@
 //! never dropped for a query's error.
 
 pub mod auth;
+pub mod copy_text;
 mod errors;
 pub mod flight_sql;
 mod hangup;
@@ -28,3 +29,19 @@ pub use auth::Users;
 pub use flight_sql::{serve_flight_sql, FlightSqlOptions};
 pub use pg::{serve, PgServerOptions, SessionFactory, CONNECTIONS_MAX_DEFAULT};
 pub use tls::tls_acceptor;
+
+/// The rows a DML statement (INSERT, UPDATE, DELETE, COPY) answers it
+/// changed, from its `count` column; anything else changed none. Both
+/// ports report it: PostgreSQL's command tag, Flight SQL's update count.
+pub(crate) fn changed_rows(batches: &[datafusion::arrow::array::RecordBatch]) -> u64 {
+    batches
+        .iter()
+        .filter_map(|batch| {
+            let column = batch.column_by_name("count")?;
+            let values = column
+                .as_any()
+                .downcast_ref::<datafusion::arrow::array::UInt64Array>()?;
+            Some(values.iter().flatten().sum::<u64>())
+        })
+        .sum::<u64>()
+}
