@@ -404,6 +404,53 @@ async fn files_loaded_with_copy_equal_plain_datafusion_and_bad_input_changes_not
     );
     assert_eq!(count(&session, "sales").await, sales_before);
 
+    // A NULL marker of the file's own (NULL 'NA'), in the options of 9.0
+    // and in the older ones psql's \copy still writes: the marker is a
+    // NULL in a column of any type, and any other text is a value.
+    std::fs::write(
+        files.join("marked.txt"),
+        "1|a|2020-01-01\n2|NA|NA\nNA|NAN|2021-02-03\n4||1999-12-31\n",
+    )
+    .unwrap();
+    session
+        .sql("CREATE TABLE marked (k BIGINT, v VARCHAR, d DATE)")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    for options in [
+        "WITH (FORMAT csv, DELIMITER '|', NULL 'NA')",
+        "CSV DELIMITER '|' NULL 'NA'",
+    ] {
+        let loaded = sql_rows(
+            &session,
+            &format!(
+                "COPY marked FROM '{}' {options}",
+                files.join("marked.txt").display()
+            ),
+        )
+        .await
+        .unwrap();
+        assert_eq!(loaded, vec!["4".to_string()], "{options}");
+    }
+    let marked = sql_rows(&session, "SELECT k, v, d FROM marked")
+        .await
+        .unwrap();
+    let expected = [
+        "1 | a | 2020-01-01",
+        "2 | NULL | NULL",
+        "NULL | NAN | 2021-02-03",
+        "4 |  | 1999-12-31",
+    ];
+    let mut expected: Vec<String> = expected
+        .iter()
+        .chain(expected.iter())
+        .map(|row| row.to_string())
+        .collect();
+    expected.sort();
+    assert_eq!(marked, expected);
+
     // A NULL into a NOT NULL column, through INSERT.
     let error = session
         .sql("INSERT INTO customers (id, name) VALUES (NULL, 'x')")

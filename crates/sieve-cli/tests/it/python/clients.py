@@ -1,5 +1,5 @@
-"""Drive `sieve serve` the way Python users do: the ADBC Flight SQL driver
-and psycopg 3, both over TLS with a password.
+"""Drive `sieve serve` the way Python users do: the ADBC Flight SQL driver,
+psycopg 3 and SQLAlchemy over it, all over TLS with a password.
 
 Usage: clients.py INPUT.json OUTPUT_DIRECTORY
 
@@ -142,6 +142,86 @@ def flight(config, queries, out):
     assert "TABLE" in conn.adbc_get_table_types()
     info = conn.adbc_get_info()
     assert info["vendor_name"] == "Sieve", info
+
+    # Loads: Arrow batches through bulk ingest (what pandas' and polars'
+    # ADBC writers use) and rows of parameters through executemany; what
+    # is read back is what was sent.
+    import pyarrow
+
+    days = [datetime.date(2020, 1, 1) + datetime.timedelta(days=i % 900) for i in range(30000)]
+    sent = pyarrow.table(
+        {
+            "k": pyarrow.array(range(30000), pyarrow.int64()),
+            "name": pyarrow.array([None if i % 7 == 0 else f"n{i % 97}" for i in range(30000)]),
+            "price": pyarrow.array(
+                [decimal.Decimal(i % 1000) / 100 for i in range(30000)], pyarrow.decimal128(12, 2)
+            ),
+            "day": pyarrow.array(days, pyarrow.date32()),
+        }
+    )
+    assert cur.adbc_ingest("py_loaded", sent, mode="create") == 30000
+    assert cur.adbc_ingest("py_loaded", sent.slice(0, 100), mode="append") == 100
+    cur.execute("select count(*), count(name), sum(k), sum(price), min(day), max(day) from py_loaded")
+    expected_names = sum(1 for i in range(30000) if i % 7 != 0) + sum(
+        1 for i in range(100) if i % 7 != 0
+    )
+    assert cur.fetchall() == [
+        (
+            30100,
+            expected_names,
+            sum(range(30000)) + sum(range(100)),
+            sum(decimal.Decimal(i % 1000) / 100 for i in range(30000))
+            + sum(decimal.Decimal(i % 1000) / 100 for i in range(100)),
+            min(days),
+            max(days),
+        )
+    ]
+    try:
+        cur.adbc_ingest("py_loaded", sent, mode="create")
+        raise AssertionError("a second create of the same table was accepted")
+    except adbc_driver_manager.Error as error:
+        assert "already exists" in str(error), error
+    bad = pyarrow.table(
+        {
+            "k": pyarrow.array(["1", "not a number"]),
+            "name": pyarrow.array(["a", "b"]),
+            "price": pyarrow.array([1.0, 2.0]),
+            "day": pyarrow.array(days[:2], pyarrow.date32()),
+        }
+    )
+    try:
+        cur.adbc_ingest("py_loaded", bad, mode="append")
+        raise AssertionError("a value that is not a number was loaded")
+    except adbc_driver_manager.Error as error:
+        assert "column 'k'" in str(error), error
+    # A load the client abandons halfway leaves the table as it was.
+    def failing():
+        for offset in (0, 10000):
+            yield sent.slice(offset, 10000).to_batches()[0]
+        raise RuntimeError("the client fails halfway")
+
+    try:
+        cur.adbc_ingest(
+            "py_loaded", pyarrow.RecordBatchReader.from_batches(sent.schema, failing()), mode="append"
+        )
+        raise AssertionError("a load that failed halfway was accepted")
+    except adbc_driver_manager.Error:
+        pass
+    cur.execute("select count(*) from py_loaded")
+    assert cur.fetchall() == [(30100,)]
+    assert cur.adbc_ingest("py_loaded", sent.slice(5, 3), mode="replace") == 3
+    cur.execute("select k from py_loaded order by k")
+    assert cur.fetchall() == [(5,), (6,), (7,)]
+    cur.executemany(
+        "insert into py_loaded (name, k) values ($1, $2 * 10)",
+        [("x", 1), (None, 2), ("z", 3)],
+    )
+    cur.execute("select k, name, price from py_loaded where k >= 10 order by k")
+    assert cur.fetchall() == [(10, "x", None), (20, None, None), (30, "z", None)]
+    cur.executemany("update py_loaded set name = $1 where k = $2", [("six", 6), ("none", 99)])
+    cur.execute("select name from py_loaded where k = 6")
+    assert cur.fetchall() == [("six",)]
+    cur.execute("drop table py_loaded")
     conn.close()
 
 
@@ -185,6 +265,58 @@ def postgres(config, queries, out):
     cur.execute("select 41 + 1")
     assert cur.fetchall() == [(42,)]
 
+    # A table of one's own, changed through prepared statements with
+    # parameters of every kind: each statement's row count is what changed.
+    cur.execute("create table py_owned (k bigint, v varchar, d decimal(12, 2), day date)")
+    rows = [
+        (1, "one", decimal.Decimal("1.50"), datetime.date(2020, 1, 1)),
+        (2, "two", None, datetime.date(2021, 6, 30)),
+        (3, None, decimal.Decimal("-3.10"), None),
+        (4, "", decimal.Decimal("0.00"), datetime.date(1970, 1, 1)),
+    ]
+    for row in rows:
+        cur.execute("insert into py_owned values (%s, %s, %s, %s)", row)
+        assert cur.rowcount == 1 and cur.statusmessage == "INSERT 0 1", cur.statusmessage
+    cur.execute("update py_owned set v = %s, d = d * 2 where k >= %s", ("many", 2))
+    assert cur.rowcount == 3 and cur.statusmessage == "UPDATE 3", cur.statusmessage
+    cur.execute("delete from py_owned where day < %s", (datetime.date(2021, 1, 1),))
+    assert cur.rowcount == 2 and cur.statusmessage == "DELETE 2", cur.statusmessage
+    cur.execute("delete from py_owned where k = %s", (99,))
+    assert cur.rowcount == 0 and cur.statusmessage == "DELETE 0", cur.statusmessage
+    cur.execute("update py_owned set v = 'simple' where k = 3")
+    assert cur.statusmessage == "UPDATE 1", cur.statusmessage
+    cur.execute("select k, v, d, day from py_owned order by k")
+    got = cur.fetchall()
+    assert got == [
+        (2, "many", None, datetime.date(2021, 6, 30)),
+        (3, "simple", decimal.Decimal("-6.20"), None),
+    ], got
+    # COPY FROM STDIN the way psycopg writes rows (PostgreSQL's text
+    # format, a column list), and a copy the client abandons.
+    copied = [
+        (10, "tab\there", decimal.Decimal("1.05"), datetime.date(2010, 10, 10)),
+        (11, None, None, None),
+        (12, "", decimal.Decimal("-0.50"), datetime.date(2012, 1, 2)),
+        (13, "back\\slash\nline \"quoted\"", decimal.Decimal("0.00"), None),
+    ]
+    with cur.copy("COPY py_owned (k, v, d, day) FROM STDIN") as copy:
+        for row in copied:
+            copy.write_row(row)
+    assert cur.statusmessage == "COPY 4", cur.statusmessage
+    with cur.copy("COPY py_owned (day, k) FROM STDIN") as copy:
+        copy.write_row((datetime.date(2014, 4, 4), 14))
+    try:
+        with cur.copy("COPY py_owned FROM STDIN") as copy:
+            copy.write_row((15, "x", None, None))
+            raise RuntimeError("the client fails halfway")
+    except RuntimeError:
+        pass
+    cur.execute("select k, v, d, day from py_owned where k >= 10 order by k")
+    got = cur.fetchall()
+    assert got == copied + [(14, None, None, datetime.date(2014, 4, 4))], got
+    cur.execute("drop table py_owned")
+    assert cur.statusmessage == "DROP TABLE", cur.statusmessage
+
     cur.execute("EXPLAIN ANALYZE " + queries["q6"])
     plan = "\n".join(str(row[-1]) for row in cur.fetchall())
     assert "SieveScanExec" in plan and "output_rows" in plan, plan
@@ -199,12 +331,65 @@ def postgres(config, queries, out):
     conn.close()
 
 
+def sqlalchemy_core(config):
+    """SQLAlchemy's PostgreSQL dialect over psycopg (what pandas'
+    read_sql and to_sql use): it parses version(), asks for the
+    transaction isolation level and looks types up inside a savepoint
+    when it connects, checks whether a table exists before it creates
+    it, and inserts many rows in a BEGIN ... COMMIT block."""
+    import sqlalchemy as sa
+
+    url = sa.engine.URL.create(
+        "postgresql+psycopg",
+        username=config["user"],
+        password=config["password"],
+        host=config["pg_host"],
+        port=config["pg_port"],
+        database="sieve",
+        query={"sslmode": "verify-ca", "sslrootcert": config["ca_cert"]},
+    )
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        # TPC-H's nation 3 is CANADA by the specification.
+        name = conn.execute(
+            sa.text("select n_name from nation where n_nationkey = :k"), {"k": 3}
+        ).scalar()
+        assert name == "CANADA", name
+    meta = sa.MetaData()
+    table = sa.Table(
+        "py_sqla",
+        meta,
+        sa.Column("id", sa.BigInteger),
+        sa.Column("name", sa.String),
+        sa.Column("price", sa.Numeric(12, 2)),
+        sa.Column("day", sa.Date),
+    )
+    meta.create_all(engine)
+    rows = [
+        {"id": i, "name": None if i % 3 == 0 else f"n{i}", "price": decimal.Decimal(i) / 4,
+         "day": datetime.date(2020, 1, 1) + datetime.timedelta(days=i)}
+        for i in range(50)
+    ]
+    with engine.begin() as conn:
+        conn.execute(table.insert(), rows)
+    with engine.connect() as conn:
+        got = conn.execute(sa.select(table).order_by(table.c.id)).all()
+    assert [tuple(row) for row in got] == [
+        (row["id"], row["name"], row["price"], row["day"]) for row in rows
+    ], got
+    assert "py_sqla" in sa.inspect(engine).get_table_names()
+    meta.drop_all(engine)
+    assert "py_sqla" not in sa.inspect(engine).get_table_names()
+    engine.dispose()
+
+
 def main():
     config = json.load(open(sys.argv[1]))
     out = sys.argv[2]
     queries = config["queries"]
     flight(config, queries, os.path.join(out, "adbc"))
     postgres(config, queries, os.path.join(out, "psycopg"))
+    sqlalchemy_core(config)
     print("python clients: done")
 
 
