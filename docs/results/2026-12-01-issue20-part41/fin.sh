@@ -1,0 +1,6 @@
+set -x
+B=/work/sieve-p41a
+S="--nodes 3 --link loopback --modes ndp --data /work/dk --set datafusion.execution.parquet.pushdown_filters=true --set sieve.query_memory_limit=512M"
+$B bench tpch --sf 10 --runs 3 $S --out /work/p41/f10 > f-sf10-512-r3-p41a.md 2>&1
+$B bench tpch --sf 100 --runs 1 $S --out /work/p41/f100 > f-sf100-512-p41a.md 2>&1
+echo finished
