@@ -21,3 +21,7 @@ for name, q, cols in [('q21', q21, ['l1.l_orderkey', 'o_orderkey']), ('q3', q3, 
         f.write('\\timing on\n')
         for a, b in zip(bounds, bounds[1:]):
             f.write(ranged(q, cols, a, b) + ';\n')
+# The EXPLAIN ANALYZE files: `explain analyze` before q21-whole.sql's query
+# (q21-ea-sf10-*.txt, q21-ea-sf100-*.txt), before the 4th query of
+# `mk.py 100 8`'s q21-k8.sql (range 3 of 8) and the 11th of `mk.py 100 32`'s
+# q21-k32.sql (range 10 of 32), each run through psql against `sieve serve`.
