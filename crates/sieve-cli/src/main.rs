@@ -125,6 +125,12 @@ enum Command {
         /// Timed runs per query and mode (after one warm-up when more than one).
         #[arg(long, default_value_t = 3)]
         runs: usize,
+        /// Untimed runs of each query and mode before its timed runs (default:
+        /// one when --runs is more than one, none otherwise). At a scale whose
+        /// data does not fit the page cache, a warm-up reads the query's own
+        /// columns in, so its timed run is as warm as a smaller scale's.
+        #[arg(long)]
+        warmups: Option<usize>,
         /// Only these queries (e.g. --query q1 --query q6, or --query q2.1 for SSB).
         #[arg(long = "query")]
         queries: Vec<String>,
@@ -603,6 +609,7 @@ async fn run(cli: Cli) -> Result<()> {
             link,
             delay,
             runs,
+            warmups,
             queries,
             modes,
             data,
@@ -627,6 +634,7 @@ async fn run(cli: Cli) -> Result<()> {
                 nodes,
                 link: LinkSpec::parse(&link, delay)?,
                 runs,
+                warmups: warmups.unwrap_or(usize::from(runs > 1)),
                 queries,
                 modes: modes
                     .iter()

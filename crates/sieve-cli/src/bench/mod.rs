@@ -90,8 +90,10 @@ pub struct BenchOptions {
     pub nodes: usize,
     /// The link between compute and each storage node.
     pub link: LinkSpec,
-    /// Timed runs per query and mode (after one warm-up when more than one).
+    /// Timed runs per query and mode.
     pub runs: usize,
+    /// Untimed runs of each query and mode before its timed runs.
+    pub warmups: usize,
     /// Queries (`q1`..`q22`, or SSB's `q1.1`..`q4.3`); empty means all.
     pub queries: Vec<String>,
     /// Modes, run in this order in every round.
@@ -240,7 +242,7 @@ pub async fn run_bench(options: &BenchOptions) -> Result<BenchReport> {
         .filter(|(name, _)| options.queries.is_empty() || options.queries.iter().any(|q| q == name))
         .copied()
         .collect();
-    let warmups = usize::from(options.runs > 1);
+    let warmups = options.warmups;
     let rounds = warmups + options.runs;
     let progress = ProgressBar::new((queries.len() * rounds * options.modes.len()) as u64);
     progress.set_style(
