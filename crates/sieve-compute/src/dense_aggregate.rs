@@ -405,12 +405,16 @@ impl ExecutionPlan for DenseAggregateExec {
         } else {
             vec![None; accumulators.len()]
         };
-        // Counts alone keep no record of which groups had a value: they
-        // can be indexed by slot (see `Groups::by_slot`).
+        // See `Groups::by_slot`.
+        let counts: Vec<bool> = aggregate
+            .aggr_expr()
+            .iter()
+            .map(|expression| expression.fun().name() == "count")
+            .collect();
         let by_slot = aggregate
             .aggr_expr()
             .iter()
-            .all(|expression| expression.fun().name() == "count");
+            .all(|expression| BY_SLOT.contains(&expression.fun().name()));
         let reservation = MemoryConsumer::new(format!("DenseAggregateExec[{partition}]"))
             .register(context.memory_pool());
         let input = aggregate.input().execute(partition, Arc::clone(&context))?;
@@ -425,6 +429,8 @@ impl ExecutionPlan for DenseAggregateExec {
             slots_max: self.slots_max,
             slot_bytes: self.slot_bytes,
             group_of_slot: Vec::new(),
+            functions: aggregate.aggr_expr().to_vec(),
+            counts,
             by_slot,
             touched: Vec::new(),
             groups: 0,
@@ -462,14 +468,29 @@ struct Groups {
     slot_bytes: usize,
     /// Per slot, the index of its group, [`NO_GROUP`] if no row had it.
     group_of_slot: Vec<u32>,
-    /// The accumulators are indexed by slot, not by group: every one is a
-    /// `count`, whose state is a plain number per index with no record of
-    /// which indexes had a value, so an index no row had is never mistaken
-    /// for one that had (the other accumulators' `NullState` would be). A
-    /// row then costs one random access into the states instead of two
-    /// (its group's index, then its state): TPC-H Q13 counts 150 M orders
-    /// by 15 M customer keys at SF 100, and those accesses miss the cache.
-    /// `group_of_slot` stays empty; `touched` marks the slots a row had.
+    /// The aggregate functions, for accumulators made afresh.
+    functions: Vec<Arc<datafusion::physical_expr::aggregate::AggregateFunctionExpr>>,
+    /// Per accumulator, whether it is a `count`.
+    counts: Vec<bool>,
+    /// The accumulators are indexed by slot, not by group. A row then costs
+    /// one random access into the states instead of two (its group's
+    /// index, then its state): TPC-H Q13 counts 150 M orders by 15 M
+    /// customer keys at SF 100, Q15 sums 23 M lineitems by 1 M supplier
+    /// keys, and those accesses miss the cache. `group_of_slot` stays
+    /// empty; `touched` marks the slots a row had, and only those are
+    /// emitted.
+    ///
+    /// Only for the functions in [`BY_SLOT`], and only while it is safe:
+    /// a `count`'s state is a plain number per index, always; the others
+    /// keep a `NullState`, which after a batch with no NULL argument and no
+    /// filter marks every index below the groups as holding a value. That
+    /// is right for every slot a row had as long as every batch is such a
+    /// batch. The first batch that is not (a NULL argument, or a filter,
+    /// for an accumulator other than a count) turns the states gathered so
+    /// far into group-indexed accumulators first ([`Groups::leave_slots`]):
+    /// indexed by slot, a key first met in it with only NULL values would
+    /// have taken the accumulator's starting value (part 31's `min` =
+    /// i64::MAX).
     by_slot: bool,
     /// With `by_slot`, a bit per slot: set once a row had the slot.
     touched: Vec<u64>,
@@ -481,6 +502,22 @@ struct Groups {
 
 /// A slot no row has had.
 const NO_GROUP: u32 = u32::MAX;
+
+/// An accumulator's argument values and filter, over one batch.
+type AccumulatorInput = (Vec<ArrayRef>, Option<ArrayRef>);
+
+/// `columns` taken at `indexes`.
+fn taken(columns: Vec<ArrayRef>, indexes: &arrow::array::UInt64Array) -> Result<Vec<ArrayRef>> {
+    columns
+        .iter()
+        .map(|column| Ok(arrow::compute::take(column.as_ref(), indexes, None)?))
+        .collect()
+}
+
+/// The aggregate functions whose accumulators may be indexed by slot
+/// (`Groups::by_slot`): DataFusion's own, whose states are read back
+/// through `state` and `merge_batch` alone.
+const BY_SLOT: &[&str] = &["count", "sum", "min", "max", "avg"];
 
 /// Why the groups must fall back: a key is negative or past the groups
 /// allowed, or the memory pool refused the groups' memory.
@@ -536,6 +573,18 @@ impl Groups {
         keys: &arrow::array::PrimitiveArray<Int64Type>,
         slots: usize,
     ) -> Result<std::result::Result<(), Refusal>> {
+        let inputs = self.inputs(batch)?;
+        if self.by_slot
+            && inputs
+                .iter()
+                .zip(&self.counts)
+                .any(|((values, filter), count)| {
+                    !count
+                        && (filter.is_some() || values.iter().any(|values| values.null_count() > 0))
+                })
+        {
+            self.leave_slots()?;
+        }
         self.slots = slots;
         self.indexes.clear();
         if self.by_slot {
@@ -550,7 +599,7 @@ impl Groups {
                 }
                 self.indexes.push(slot);
             }
-            return self.accumulate(batch, slots);
+            return self.accumulate(&inputs, slots);
         }
         self.group_of_slot.resize(slots, NO_GROUP);
         for key in keys.iter() {
@@ -563,39 +612,72 @@ impl Groups {
             }
             self.indexes.push(*group as usize);
         }
-        self.accumulate(batch, self.groups)
+        self.accumulate(&inputs, self.groups)
+    }
+
+    /// Each accumulator's arguments and, for raw input, filter, evaluated
+    /// over `batch`.
+    fn inputs(&self, batch: &RecordBatch) -> Result<Vec<AccumulatorInput>> {
+        self.arguments
+            .iter()
+            .zip(&self.filters)
+            .map(|(arguments, filter)| {
+                let values = arguments
+                    .iter()
+                    .map(|argument| argument.evaluate(batch)?.into_array(batch.num_rows()))
+                    .collect::<Result<Vec<_>>>()?;
+                let filter = match filter {
+                    Some(filter) if self.raw_input => {
+                        Some(filter.evaluate(batch)?.into_array(batch.num_rows())?)
+                    }
+                    _ => None,
+                };
+                Ok((values, filter))
+            })
+            .collect()
+    }
+
+    /// The states gathered by slot, into accumulators indexed by group: the
+    /// slots a row had become groups `0..` in slot order, each state taken
+    /// at its slot and merged into a new accumulator (see `by_slot`).
+    fn leave_slots(&mut self) -> Result<()> {
+        let slots = self.touched_slots();
+        let groups = slots.len();
+        let mut group_of_slot = vec![NO_GROUP; self.slots];
+        for (group, &slot) in slots.values().iter().enumerate() {
+            group_of_slot[slot as usize] = group as u32;
+        }
+        let indexes: Vec<usize> = (0..groups).collect();
+        for (accumulator, function) in self.accumulators.iter_mut().zip(&self.functions) {
+            let states = taken(accumulator.state(EmitTo::All)?, &slots)?;
+            let mut by_group = function.create_groups_accumulator()?;
+            by_group.merge_batch(&states, &indexes, groups)?;
+            *accumulator = by_group;
+        }
+        self.group_of_slot = group_of_slot;
+        self.groups = groups;
+        self.touched = Vec::new();
+        self.by_slot = false;
+        Ok(())
     }
 
     /// Runs the accumulators over `batch`, its rows' indexes in `indexes`,
     /// `groups` the indexes they hold.
     fn accumulate(
         &mut self,
-        batch: &RecordBatch,
+        inputs: &[AccumulatorInput],
         groups: usize,
     ) -> Result<std::result::Result<(), Refusal>> {
-        for ((accumulator, arguments), filter) in self
-            .accumulators
-            .iter_mut()
-            .zip(&self.arguments)
-            .zip(&self.filters)
-        {
-            let values = arguments
-                .iter()
-                .map(|argument| argument.evaluate(batch)?.into_array(batch.num_rows()))
-                .collect::<Result<Vec<_>>>()?;
+        for (accumulator, (values, filter)) in self.accumulators.iter_mut().zip(inputs) {
             if self.raw_input {
-                let filter = filter
-                    .as_ref()
-                    .map(|filter| filter.evaluate(batch)?.into_array(batch.num_rows()))
-                    .transpose()?;
                 accumulator.update_batch(
-                    &values,
+                    values,
                     &self.indexes,
                     filter.as_ref().map(|filter| filter.as_boolean()),
                     groups,
                 )?;
             } else {
-                accumulator.merge_batch(&values, &self.indexes, groups)?;
+                accumulator.merge_batch(values, &self.indexes, groups)?;
             }
         }
         let held = self.group_of_slot.len() * 4
@@ -654,19 +736,41 @@ impl Groups {
     /// values (`states` false) or states; the accumulators are emptied.
     fn emit(&mut self, key_type: &DataType, states: bool) -> Result<Vec<ArrayRef>> {
         let mut columns = vec![self.keys(key_type)?];
+        if self.by_slot {
+            // Every slot up to the largest has a state: those a row had are
+            // kept, in slot order (the keys' order). A count's value is its
+            // state; the others' values come from their states merged into
+            // an accumulator of just those groups, so no index without rows
+            // is ever evaluated (a decimal average would divide by zero).
+            let slots = self.touched_slots();
+            let groups = slots.len();
+            let indexes: Vec<usize> = (0..groups).collect();
+            for ((accumulator, function), &count) in self
+                .accumulators
+                .iter_mut()
+                .zip(&self.functions)
+                .zip(&self.counts)
+            {
+                if count && !states {
+                    columns.extend(taken(vec![accumulator.evaluate(EmitTo::All)?], &slots)?);
+                    continue;
+                }
+                let kept = taken(accumulator.state(EmitTo::All)?, &slots)?;
+                if states {
+                    columns.extend(kept);
+                } else {
+                    let mut by_group = function.create_groups_accumulator()?;
+                    by_group.merge_batch(&kept, &indexes, groups)?;
+                    columns.push(by_group.evaluate(EmitTo::All)?);
+                }
+            }
+            return Ok(columns);
+        }
         for accumulator in &mut self.accumulators {
             if states {
                 columns.extend(accumulator.state(EmitTo::All)?);
             } else {
                 columns.push(accumulator.evaluate(EmitTo::All)?);
-            }
-        }
-        if self.by_slot {
-            // The states of every slot up to the largest: keep those a row
-            // had, in slot order (the keys' order).
-            let slots = self.touched_slots();
-            for column in &mut columns[1..] {
-                *column = arrow::compute::take(column.as_ref(), &slots, None)?;
             }
         }
         Ok(columns)
