@@ -20,12 +20,13 @@
 //! accumulators once and gives the groups in the order they first
 //! appeared.
 //!
-//! Where every aggregate is a `count`, the accumulators are indexed by slot
-//! instead, with a bit per slot for the slots a row had: one random access
-//! per row into the states rather than two, and the groups come out in key
-//! order (`Groups::by_slot`).
+//! Where every aggregate is a `count`, `sum`, `min`, `max` or `avg`, the
+//! accumulators are indexed by slot instead, with a bit per slot for the
+//! slots a row had: one random access per row into the states rather than
+//! two, and the groups come out in key order (`Groups::by_slot`).
 //!
-//! Group indexes are numbered as groups first appear, as DataFusion's own
+//! Otherwise, and from the first batch with a NULL argument or a filter,
+//! group indexes are numbered as groups first appear, as DataFusion's own
 //! aggregation numbers them, not by slot: its accumulators take every
 //! index below the groups they are told of as one a row has had. Its
 //! `NullState` marks all of them as holding a value after a batch without
