@@ -515,6 +515,18 @@ fn taken(columns: Vec<ArrayRef>, indexes: &arrow::array::UInt64Array) -> Result<
         .collect()
 }
 
+/// A new accumulator of `function` holding `states`, one group per
+/// `indexes` entry (`0..`).
+fn by_group(
+    function: &datafusion::physical_expr::aggregate::AggregateFunctionExpr,
+    states: &[ArrayRef],
+    indexes: &[usize],
+) -> Result<Box<dyn GroupsAccumulator>> {
+    let mut accumulator = function.create_groups_accumulator()?;
+    accumulator.merge_batch(states, indexes, indexes.len())?;
+    Ok(accumulator)
+}
+
 /// The aggregate functions whose accumulators may be indexed by slot
 /// (`Groups::by_slot`): DataFusion's own, whose states are read back
 /// through `state` and `merge_batch` alone.
@@ -651,9 +663,7 @@ impl Groups {
         let indexes: Vec<usize> = (0..groups).collect();
         for (accumulator, function) in self.accumulators.iter_mut().zip(&self.functions) {
             let states = taken(accumulator.state(EmitTo::All)?, &slots)?;
-            let mut by_group = function.create_groups_accumulator()?;
-            by_group.merge_batch(&states, &indexes, groups)?;
-            *accumulator = by_group;
+            *accumulator = by_group(function, &states, &indexes)?;
         }
         self.group_of_slot = group_of_slot;
         self.groups = groups;
@@ -744,8 +754,7 @@ impl Groups {
             // an accumulator of just those groups, so no index without rows
             // is ever evaluated (a decimal average would divide by zero).
             let slots = self.touched_slots();
-            let groups = slots.len();
-            let indexes: Vec<usize> = (0..groups).collect();
+            let indexes: Vec<usize> = (0..slots.len()).collect();
             for ((accumulator, function), &count) in self
                 .accumulators
                 .iter_mut()
@@ -760,9 +769,7 @@ impl Groups {
                 if states {
                     columns.extend(kept);
                 } else {
-                    let mut by_group = function.create_groups_accumulator()?;
-                    by_group.merge_batch(&kept, &indexes, groups)?;
-                    columns.push(by_group.evaluate(EmitTo::All)?);
+                    columns.push(by_group(function, &kept, &indexes)?.evaluate(EmitTo::All)?);
                 }
             }
             return Ok(columns);
