@@ -23,7 +23,10 @@
 //! Where every aggregate is a `count`, `sum`, `min`, `max` or `avg`, the
 //! accumulators are indexed by slot instead, with a bit per slot for the
 //! slots a row had: one random access per row into the states rather than
-//! two, and the groups come out in key order (`Groups::by_slot`).
+//! two, and the groups come out in key order (`Groups::by_slot`), a batch
+//! at a time as they are read, their states reserved until the last one
+//! ([`SlotBatches`]). The input is let go (a join's build side with it)
+//! before any group is emitted.
 //!
 //! Otherwise, and from the first batch with a NULL argument or a filter,
 //! group indexes are numbered as groups first appear, as DataFusion's own
@@ -51,9 +54,9 @@
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use arrow::array::{ArrayRef, AsArray, Int64Array, RecordBatch};
+use arrow::array::{ArrayRef, AsArray, Int64Array, RecordBatch, UInt32Array};
 use arrow::compute::{cast_with_options, CastOptions};
-use arrow::datatypes::{DataType, Int64Type};
+use arrow::datatypes::{DataType, Int64Type, SchemaRef};
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::stats::Precision;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
@@ -71,8 +74,8 @@ use datafusion::physical_plan::metrics::{
 use datafusion::physical_plan::statistics::{StatisticsArgs, StatisticsContext};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
-    DisplayAs, DisplayFormatType, ExecutionPlan, InputDistributionRequirements, InputOrderMode,
-    PlanProperties,
+    DisplayAs, DisplayFormatType, EmptyRecordBatchStream, ExecutionPlan,
+    InputDistributionRequirements, InputOrderMode, PlanProperties,
 };
 use futures::{StreamExt, TryStreamExt};
 
@@ -743,34 +746,21 @@ impl Groups {
     }
 
     /// The groups, in the order they first appeared (as DataFusion's own
-    /// aggregation gives them; in key order with `by_slot`): their keys and the accumulators' final
+    /// aggregation gives them): their keys and the accumulators' final
     /// values (`states` false) or states; the accumulators are emptied.
+    /// With `by_slot`, states only (in key order; values go through
+    /// [`SlotBatches`]).
     fn emit(&mut self, key_type: &DataType, states: bool) -> Result<Vec<ArrayRef>> {
         let mut columns = vec![self.keys(key_type)?];
         if self.by_slot {
+            if !states {
+                return internal_err!("slot-indexed groups emit their values in batches");
+            }
             // Every slot up to the largest has a state: those a row had are
-            // kept, in slot order (the keys' order). A count's value is its
-            // state; the others' values come from their states merged into
-            // an accumulator of just those groups, so no index without rows
-            // is ever evaluated (a decimal average would divide by zero).
+            // kept, in slot order (the keys' order).
             let slots = self.touched_slots();
-            let indexes: Vec<usize> = (0..slots.len()).collect();
-            for ((accumulator, function), &count) in self
-                .accumulators
-                .iter_mut()
-                .zip(&self.functions)
-                .zip(&self.counts)
-            {
-                if count && !states {
-                    columns.extend(taken(vec![accumulator.evaluate(EmitTo::All)?], &slots)?);
-                    continue;
-                }
-                let kept = taken(accumulator.state(EmitTo::All)?, &slots)?;
-                if states {
-                    columns.extend(kept);
-                } else {
-                    columns.push(by_group(function, &kept, &indexes)?.evaluate(EmitTo::All)?);
-                }
+            for accumulator in &mut self.accumulators {
+                columns.extend(taken(accumulator.state(EmitTo::All)?, &slots)?);
             }
             return Ok(columns);
         }
@@ -782,6 +772,95 @@ impl Groups {
             }
         }
         Ok(columns)
+    }
+}
+
+/// The output of groups indexed by slot (`Groups::by_slot`), made a batch
+/// at a time as it is read rather than all at once: at SF 100, TPC-H Q13
+/// emits 7.5 M groups a partition, and their slots, keys and values taken
+/// whole came to 180 MB a partition past the states themselves, outside
+/// the memory pool. The states' reservation is held until the last batch.
+struct SlotBatches {
+    /// A bit per slot: set where a row had the slot.
+    touched: Vec<u64>,
+    /// The next word of `touched` to read, and the bits of the one before
+    /// it not emitted yet.
+    word: usize,
+    bits: u64,
+    outputs: Vec<SlotOutput>,
+    key_type: DataType,
+    schema: SchemaRef,
+    batch_size: usize,
+    reservation: MemoryReservation,
+}
+
+/// One accumulator's output, by slot.
+enum SlotOutput {
+    /// A count: its values are its states.
+    Values(ArrayRef),
+    /// Any other: its states, whose values are taken by merging the slots
+    /// emitted into an accumulator of just those groups, so no index
+    /// without rows is evaluated (a decimal average would divide by zero).
+    States(
+        Vec<ArrayRef>,
+        Arc<datafusion::physical_expr::aggregate::AggregateFunctionExpr>,
+    ),
+}
+
+impl SlotBatches {
+    /// The next groups, in slot (the keys') order, up to a batch of them.
+    fn next_batch(&mut self) -> Result<Option<RecordBatch>> {
+        let mut slots: Vec<u32> = Vec::with_capacity(self.batch_size);
+        while slots.len() < self.batch_size {
+            if self.bits == 0 {
+                let Some(&word) = self.touched.get(self.word) else {
+                    break;
+                };
+                self.bits = word;
+                self.word += 1;
+                continue;
+            }
+            // Slots are below `slots_max`, itself at most u32::MAX.
+            let slot = (self.word - 1) * 64 + self.bits.trailing_zeros() as usize;
+            self.bits &= self.bits - 1;
+            slots.push(slot as u32);
+        }
+        if slots.is_empty() {
+            self.outputs.clear();
+            self.touched = Vec::new();
+            self.reservation.free();
+            return Ok(None);
+        }
+        let keys: Int64Array = slots
+            .iter()
+            .map(|&slot| slot.checked_sub(1).map(i64::from))
+            .collect();
+        let keys: ArrayRef = Arc::new(keys);
+        let mut columns = vec![cast_with_options(
+            &keys,
+            &self.key_type,
+            &CastOptions::default(),
+        )?];
+        let slots = UInt32Array::from(slots);
+        let indexes: Vec<usize> = (0..slots.len()).collect();
+        for output in &self.outputs {
+            match output {
+                SlotOutput::Values(values) => {
+                    columns.push(arrow::compute::take(values.as_ref(), &slots, None)?);
+                }
+                SlotOutput::States(states, function) => {
+                    let kept = states
+                        .iter()
+                        .map(|state| Ok(arrow::compute::take(state.as_ref(), &slots, None)?))
+                        .collect::<Result<Vec<_>>>()?;
+                    columns.push(by_group(function, &kept, &indexes)?.evaluate(EmitTo::All)?);
+                }
+            }
+        }
+        Ok(Some(RecordBatch::try_new(
+            Arc::clone(&self.schema),
+            columns,
+        )?))
     }
 }
 
@@ -811,8 +890,14 @@ impl Run {
                 Err(Refusal::BatchIn) => return self.fall_back(None),
             }
         }
-        let timer = self.baseline.elapsed_compute().timer();
+        // The input is spent: what it held (a join's build side, say) goes
+        // before the groups are emitted.
+        self.input = Box::pin(EmptyRecordBatchStream::new(self.input.schema()));
         let schema = self.aggregate.schema();
+        if self.groups.by_slot && self.groups.groups > 0 {
+            return Ok(self.slot_batches(schema));
+        }
+        let timer = self.baseline.elapsed_compute().timer();
         let batches = if self.groups.groups == 0 {
             vec![]
         } else {
@@ -832,6 +917,62 @@ impl Run {
             Ok(batch)
         });
         Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
+    }
+
+    /// The groups indexed by slot, a batch at a time (see [`SlotBatches`]).
+    fn slot_batches(self, schema: SchemaRef) -> SendableRecordBatchStream {
+        let Run {
+            groups,
+            context,
+            baseline,
+            ..
+        } = self;
+        let Groups {
+            mut accumulators,
+            functions,
+            counts,
+            touched,
+            reservation,
+            ..
+        } = groups;
+        let key_type = schema.field(0).data_type().clone();
+        let outputs = accumulators
+            .iter_mut()
+            .zip(functions)
+            .zip(counts)
+            .map(|((accumulator, function), count)| {
+                Ok(if count {
+                    SlotOutput::Values(accumulator.evaluate(EmitTo::All)?)
+                } else {
+                    SlotOutput::States(accumulator.state(EmitTo::All)?, function)
+                })
+            })
+            .collect::<Result<Vec<_>>>();
+        drop(accumulators);
+        let batches = outputs.map(|outputs| SlotBatches {
+            touched,
+            word: 0,
+            bits: 0,
+            outputs,
+            key_type,
+            schema: Arc::clone(&schema),
+            batch_size: context.session_config().batch_size().max(1),
+            reservation,
+        });
+        let stream = futures::stream::try_unfold(batches, move |batches| {
+            let baseline = baseline.clone();
+            async move {
+                let mut batches = batches?;
+                let timer = baseline.elapsed_compute().timer();
+                let batch = batches.next_batch()?;
+                timer.done();
+                Ok(batch.map(|batch| {
+                    baseline.record_output(batch.num_rows());
+                    (batch, Ok(batches))
+                }))
+            }
+        });
+        Box::pin(RecordBatchStreamAdapter::new(schema, stream))
     }
 
     /// DataFusion's aggregation over the states gathered so far, then
@@ -1022,6 +1163,145 @@ mod tests {
             "(Sieve, DataFusion): {differing:?}"
         );
         assert_eq!(metric(&dense, "dense_fell_back"), 0);
+    }
+
+    /// Groups indexed by slot come out a batch at a time, across words of
+    /// the slot bitmap, NULL key first, each batch's values merged from its
+    /// own slots; the states stay reserved in the memory pool until the
+    /// last batch is read, then are freed.
+    #[tokio::test]
+    async fn slot_groups_are_emitted_in_batches_within_their_reservation() {
+        use datafusion::execution::memory_pool::{GreedyMemoryPool, MemoryPool};
+        use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+        use datafusion::functions_aggregate::average::avg_udaf;
+        use datafusion::functions_aggregate::count::count_udaf;
+        use datafusion::prelude::SessionConfig;
+
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Int32, true),
+            Field::new("v", DataType::Int64, false),
+            Field::new("f", DataType::Float64, false),
+        ]));
+        // Keys spread over 70 k slots with gaps (multiples of 7, and of 13
+        // past 30 k), NULL keys too; values without NULLs, so every
+        // accumulator stays indexed by slot.
+        let key = |i: i64| {
+            (i % 11 != 0).then_some(if i < 3_000 { i * 7 } else { (i * 13) % 70_000 } as i32)
+        };
+        let batch = |range: std::ops::Range<i64>| {
+            RecordBatch::try_new(
+                Arc::clone(&schema),
+                vec![
+                    Arc::new(arrow::array::Int32Array::from_iter(range.clone().map(key))),
+                    Arc::new(Int64Array::from_iter_values(
+                        range.clone().map(|i| i % 1_000 - 400),
+                    )),
+                    Arc::new(arrow::array::Float64Array::from_iter_values(
+                        range.map(|i| (i % 300) as f64 / 8.0),
+                    )),
+                ],
+            )
+            .unwrap()
+        };
+        let input = MemorySourceConfig::try_new_exec(
+            &[vec![batch(0..4_000), batch(4_000..9_000)]],
+            Arc::clone(&schema),
+            None,
+        )
+        .unwrap();
+        let aggregates = [
+            (count_udaf(), "v"),
+            (sum_udaf(), "v"),
+            (min_udaf(), "v"),
+            (avg_udaf(), "f"),
+        ]
+        .into_iter()
+        .map(|(function, argument)| {
+            let name = format!("{}({argument})", function.name());
+            AggregateExprBuilder::new(function, vec![col(argument, &schema).unwrap()])
+                .schema(Arc::clone(&schema))
+                .alias(name)
+                .build()
+                .map(Arc::new)
+        })
+        .collect::<Result<Vec<_>>>()
+        .unwrap();
+        let aggregate = Arc::new(
+            AggregateExec::try_new(
+                AggregateMode::Single,
+                PhysicalGroupBy::new_single(vec![(col("k", &schema).unwrap(), "k".into())]),
+                aggregates.clone(),
+                vec![None; aggregates.len()],
+                input,
+                Arc::clone(&schema),
+            )
+            .unwrap(),
+        );
+        let slot_bytes = dense_slot_bytes(&aggregate).unwrap().expect("taken");
+        let dense: Arc<dyn ExecutionPlan> = Arc::new(DenseAggregateExec::new(
+            Arc::clone(&aggregate),
+            1 << 20,
+            slot_bytes,
+        ));
+        let pool = Arc::new(GreedyMemoryPool::new(64 << 20));
+        let runtime = RuntimeEnvBuilder::new()
+            .with_memory_pool(Arc::clone(&pool) as Arc<dyn MemoryPool>)
+            .build_arc()
+            .unwrap();
+        let context = SessionContext::new_with_config_rt(
+            SessionConfig::new().with_batch_size(1_000),
+            runtime,
+        )
+        .task_ctx();
+        let mut stream = dense.execute(0, Arc::clone(&context)).unwrap();
+        let mut batches = vec![];
+        while let Some(batch) = stream.next().await {
+            let batch = batch.unwrap();
+            assert!(batch.num_rows() <= 1_000);
+            // Still reserved while batches are read.
+            assert!(pool.reserved() > 70_000, "{} B reserved", pool.reserved());
+            batches.push(batch);
+        }
+        assert_eq!(pool.reserved(), 0);
+        drop(stream);
+        assert!(batches.len() > 4, "{} batches", batches.len());
+        let keys: Vec<Option<i64>> = batches
+            .iter()
+            .flat_map(|batch| {
+                let keys = batch
+                    .column(0)
+                    .as_primitive::<arrow::datatypes::Int32Type>();
+                keys.iter()
+                    .map(|key| key.map(i64::from))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        // NULL first, then the keys in order.
+        assert_eq!(keys[0], None);
+        assert!(keys[1..].windows(2).all(|pair| pair[0] < pair[1]));
+        let rows = |batches: Vec<RecordBatch>| {
+            let mut rows: Vec<String> = arrow::util::pretty::pretty_format_batches(&batches)
+                .unwrap()
+                .to_string()
+                .lines()
+                .filter(|line| line.starts_with("| ") && !line.contains(" k "))
+                .map(str::to_string)
+                .collect();
+            rows.sort();
+            rows
+        };
+        let expected = rows(
+            collect(aggregate as Arc<dyn ExecutionPlan>, Arc::clone(&context))
+                .await
+                .unwrap(),
+        );
+        assert_eq!(expected.len(), keys.len());
+        assert_eq!(rows(batches), expected);
+        assert_eq!(metric(&dense, "dense_fell_back"), 0);
+        assert_eq!(
+            dense.metrics().and_then(|metrics| metrics.output_rows()),
+            Some(keys.len())
+        );
     }
 
     fn metric(plan: &Arc<dyn ExecutionPlan>, name: &str) -> usize {
