@@ -1103,53 +1103,18 @@ mod tests {
         let input =
             MemorySourceConfig::try_new_exec(&[vec![first, second]], Arc::clone(&schema), None)
                 .unwrap();
-        let aggregates = [min_udaf(), max_udaf(), sum_udaf()]
-            .into_iter()
-            .map(|function| {
-                let name = format!("{}(v)", function.name());
-                AggregateExprBuilder::new(function, vec![col("v", &schema).unwrap()])
-                    .schema(Arc::clone(&schema))
-                    .alias(name)
-                    .build()
-                    .map(Arc::new)
-            })
-            .collect::<Result<Vec<_>>>()
-            .unwrap();
-        let aggregate = Arc::new(
-            AggregateExec::try_new(
-                AggregateMode::Single,
-                PhysicalGroupBy::new_single(vec![(col("k", &schema).unwrap(), "k".into())]),
-                aggregates.clone(),
-                vec![None; aggregates.len()],
-                input,
-                Arc::clone(&schema),
-            )
-            .unwrap(),
+        let (aggregate, dense) = dense_over_k(
+            &schema,
+            input,
+            [(min_udaf(), "v"), (max_udaf(), "v"), (sum_udaf(), "v")],
         );
-        let slot_bytes = dense_slot_bytes(&aggregate).unwrap().expect("taken");
-        let dense: Arc<dyn ExecutionPlan> = Arc::new(DenseAggregateExec::new(
-            Arc::clone(&aggregate),
-            1 << 20,
-            slot_bytes,
-        ));
         let context = SessionContext::new().task_ctx();
-        let rows = |batches: Vec<RecordBatch>| {
-            let mut rows: Vec<String> = arrow::util::pretty::pretty_format_batches(&batches)
-                .unwrap()
-                .to_string()
-                .lines()
-                .filter(|line| line.starts_with("| ") && !line.contains(" k "))
-                .map(str::to_string)
-                .collect();
-            rows.sort();
-            rows
-        };
-        let expected = rows(
+        let expected = sorted_rows(
             collect(aggregate as Arc<dyn ExecutionPlan>, Arc::clone(&context))
                 .await
                 .unwrap(),
         );
-        let actual = rows(collect(Arc::clone(&dense), context).await.unwrap());
+        let actual = sorted_rows(collect(Arc::clone(&dense), context).await.unwrap());
         assert_eq!(expected.len(), 1_500);
         assert!(expected.iter().any(|row| row.contains("|        |")));
         let differing: Vec<_> = actual
@@ -1209,40 +1174,16 @@ mod tests {
             None,
         )
         .unwrap();
-        let aggregates = [
-            (count_udaf(), "v"),
-            (sum_udaf(), "v"),
-            (min_udaf(), "v"),
-            (avg_udaf(), "f"),
-        ]
-        .into_iter()
-        .map(|(function, argument)| {
-            let name = format!("{}({argument})", function.name());
-            AggregateExprBuilder::new(function, vec![col(argument, &schema).unwrap()])
-                .schema(Arc::clone(&schema))
-                .alias(name)
-                .build()
-                .map(Arc::new)
-        })
-        .collect::<Result<Vec<_>>>()
-        .unwrap();
-        let aggregate = Arc::new(
-            AggregateExec::try_new(
-                AggregateMode::Single,
-                PhysicalGroupBy::new_single(vec![(col("k", &schema).unwrap(), "k".into())]),
-                aggregates.clone(),
-                vec![None; aggregates.len()],
-                input,
-                Arc::clone(&schema),
-            )
-            .unwrap(),
+        let (aggregate, dense) = dense_over_k(
+            &schema,
+            input,
+            [
+                (count_udaf(), "v"),
+                (sum_udaf(), "v"),
+                (min_udaf(), "v"),
+                (avg_udaf(), "f"),
+            ],
         );
-        let slot_bytes = dense_slot_bytes(&aggregate).unwrap().expect("taken");
-        let dense: Arc<dyn ExecutionPlan> = Arc::new(DenseAggregateExec::new(
-            Arc::clone(&aggregate),
-            1 << 20,
-            slot_bytes,
-        ));
         let pool = Arc::new(GreedyMemoryPool::new(64 << 20));
         let runtime = RuntimeEnvBuilder::new()
             .with_memory_pool(Arc::clone(&pool) as Arc<dyn MemoryPool>)
@@ -1279,29 +1220,71 @@ mod tests {
         // NULL first, then the keys in order.
         assert_eq!(keys[0], None);
         assert!(keys[1..].windows(2).all(|pair| pair[0] < pair[1]));
-        let rows = |batches: Vec<RecordBatch>| {
-            let mut rows: Vec<String> = arrow::util::pretty::pretty_format_batches(&batches)
-                .unwrap()
-                .to_string()
-                .lines()
-                .filter(|line| line.starts_with("| ") && !line.contains(" k "))
-                .map(str::to_string)
-                .collect();
-            rows.sort();
-            rows
-        };
-        let expected = rows(
+        let expected = sorted_rows(
             collect(aggregate as Arc<dyn ExecutionPlan>, Arc::clone(&context))
                 .await
                 .unwrap(),
         );
         assert_eq!(expected.len(), keys.len());
-        assert_eq!(rows(batches), expected);
+        assert_eq!(sorted_rows(batches), expected);
         assert_eq!(metric(&dense, "dense_fell_back"), 0);
         assert_eq!(
             dense.metrics().and_then(|metrics| metrics.output_rows()),
             Some(keys.len())
         );
+    }
+
+    /// DataFusion's single-mode aggregation of `input` grouped by `k`, with
+    /// one aggregate per (function, argument column), and Sieve's dense
+    /// aggregation over it, taken with room for 2^20 slots.
+    fn dense_over_k<const N: usize>(
+        schema: &SchemaRef,
+        input: Arc<dyn ExecutionPlan>,
+        functions: [(Arc<datafusion::logical_expr::AggregateUDF>, &str); N],
+    ) -> (Arc<AggregateExec>, Arc<dyn ExecutionPlan>) {
+        let aggregates = functions
+            .into_iter()
+            .map(|(function, argument)| {
+                let name = format!("{}({argument})", function.name());
+                AggregateExprBuilder::new(function, vec![col(argument, schema).unwrap()])
+                    .schema(Arc::clone(schema))
+                    .alias(name)
+                    .build()
+                    .map(Arc::new)
+            })
+            .collect::<Result<Vec<_>>>()
+            .unwrap();
+        let aggregate = Arc::new(
+            AggregateExec::try_new(
+                AggregateMode::Single,
+                PhysicalGroupBy::new_single(vec![(col("k", schema).unwrap(), "k".into())]),
+                aggregates.clone(),
+                vec![None; aggregates.len()],
+                input,
+                Arc::clone(schema),
+            )
+            .unwrap(),
+        );
+        let slot_bytes = dense_slot_bytes(&aggregate).unwrap().expect("taken");
+        let dense: Arc<dyn ExecutionPlan> = Arc::new(DenseAggregateExec::new(
+            Arc::clone(&aggregate),
+            1 << 20,
+            slot_bytes,
+        ));
+        (aggregate, dense)
+    }
+
+    /// The batches' rows as printed, header left out, sorted.
+    fn sorted_rows(batches: Vec<RecordBatch>) -> Vec<String> {
+        let mut rows: Vec<String> = arrow::util::pretty::pretty_format_batches(&batches)
+            .unwrap()
+            .to_string()
+            .lines()
+            .filter(|line| line.starts_with("| ") && !line.contains(" k "))
+            .map(str::to_string)
+            .collect();
+        rows.sort();
+        rows
     }
 
     fn metric(plan: &Arc<dyn ExecutionPlan>, name: &str) -> usize {
