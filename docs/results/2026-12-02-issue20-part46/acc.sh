@@ -1,5 +1,5 @@
 #!/bin/bash
-# Part 45: every acceptance point of issue 20 with one build (main's), one after the other.
+# Every acceptance point of issue 20 with one build (main's), one after the other (written in part 45, first run here).
 # Run in part 46 after series.sh (all.sh).
 # usage: acc.sh BIN TAG
 B=$1; tag=$2
